@@ -1,0 +1,73 @@
+"""Narrow configs: each component takes only its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Role(IntEnum):
+    COLOCATED = 0
+    PREFILL = 1
+    DECODE = 2
+
+    @classmethod
+    def parse(cls, value: str | Role) -> Role:
+        if isinstance(value, Role):
+            return value
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise ValueError(
+                f"role must be one of colocated, prefill, decode; got {value!r}"
+            ) from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    role: Role = Role.COLOCATED
+    # A waiting request gains one priority level per this many steps it waits: no starvation.
+    aging_steps: int = 256
+    # Off: a prompt is only admitted when it fits in one step's token budget.
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "aging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly this many blocks when set; otherwise sized from kv_cache_memory_bytes.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model: str = "demo"
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    seed: int = 0
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    enforce_eager: bool = False  # disable CUDA graphs

@@ -1,0 +1,239 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over paged KV, for packed variable-length batches.
+
+Inputs are flattened: ``input_ids``/``positions`` are [num_tokens]; the attention backend knows
+from the step's AttentionMetadata which tokens belong to which sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.attention.backend import AttentionBackend, AttentionMetadata
+from tandem.engine.models.rotary import apply_rotary_ref, cos_sin_cache
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=act,
+        )
+
+
+class FusedOps:
+    """The model's pointwise ops; Triton kernels on CUDA when enabled, PyTorch otherwise."""
+
+    def __init__(self, use_kernels: bool) -> None:
+        self.use_kernels = use_kernels
+        if use_kernels:
+            from tandem import kernels
+
+            self._k = kernels
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.use_kernels:
+            return self._k.rms_norm(x, weight, eps, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype), residual
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernels:
+            self._k.rotary_embedding(positions, q, k, cache)
+            return q, k
+        return apply_rotary_ref(positions, q, k, cache.to(q.dtype))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return self._k.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: FusedOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, ops: FusedOps) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.ops = ops
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].reshape(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].reshape(k.shape)
+        q, k = self.ops.rotary(positions, q.contiguous(), k.contiguous(), rope_cache)
+        out = backend.forward(q, k, v, kv_layer[:, 0], kv_layer[:, 1], meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, ops: FusedOps) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, ops: FusedOps) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Called by the ModelRunner: ``forward`` for hidden states, ``compute_logits`` for the
+    positions that are sampled."""
+
+    def __init__(self, cfg: ModelArchConfig, use_kernels: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ops = FusedOps(use_kernels)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "rope_cache",
+            cos_sin_cache(
+                cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+            ),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                h, _ = layer.input_layernorm(h)
+            else:
+                h, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(h, positions, self.rope_cache, kv_cache[:, i], meta, backend)
+            h, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(h)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

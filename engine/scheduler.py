@@ -1,0 +1,229 @@
+"""Scheduler: which requests run in the next step, and how many tokens each computes.
+
+One policy for every role, in the manner of vLLM v1: each request simply has
+``num_computed_tokens`` catch up with ``num_tokens`` under a per-step token budget, so chunked
+prefill, prefix-cache hits, decodes and recompute after preemption are the same code path.
+Roles differ only at the edges: a prefill worker stops a request after its first token and keeps
+its blocks pinned; a decode worker admits requests whose KV arrives from a remote worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tandem.engine.config import Role, SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # The chunk reaches the last known token, so its last position's logits are sampled.
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owned and called by the Engine, on the engine thread: schedule(), run the model, update()."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        # Decode role: requests whose blocks are allocated and being filled by the KV connector.
+        self.loading: dict[str, Request] = {}
+        # Prefill role: finished requests whose blocks stay pinned until a decode worker pulls them.
+        self.pinned: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._leaders: dict[str, Request] = {}
+
+    # ---- queues -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        if request.group_index == 0:
+            self._leaders[request.group_id] = request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.loading)
+
+    def _key(self, r: Request) -> tuple[int, float]:
+        return (r.priority - r.waited_steps // self.config.aging_steps, r.arrival_time)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self._key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = max(self.running[i:], key=self._key)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted; running[i] is now the next request
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        for req in self.waiting:
+            req.waited_steps += 1
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        self.waiting.sort(key=self._key)
+        admitted: list[Request] = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._leader_ready(req):
+                continue  # siblings of n > 1 wait for the shared prompt to be cached
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(req, num_new, hits, num_hit):
+                break  # FCFS: nobody jumps a request that does not fit
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+        if admitted:
+            taken = set(map(id, admitted))
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        return budget
+
+    def _leader_ready(self, req: Request) -> bool:
+        if req.group_index == 0:
+            return True
+        leader = self._leaders.get(req.group_id)
+        return leader is None or leader.prompt_done_once or leader.is_finished
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        sample = req.num_computed_tokens + num_new == req.num_tokens
+        out.scheduled.append(ScheduledRequest(req, num_new, sample))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop the KV, keep the tokens; the request re-queues in front."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+        out.preempted.append(req)
+
+    # ---- results ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance each scheduled request by its chunk; append sampled tokens; finish requests.
+
+        Returns the requests that produced a token or finished this step.
+        """
+        changed: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if not s.sample:
+                continue
+            req.prompt_done_once = True
+            token = result.sampled_token_ids[req.request_id]
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is None and self.config.role == Role.PREFILL and req.remote_decode:
+                status = RequestStatus.FINISHED_REMOTE_DECODE
+            if status is not None:
+                self._finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        if token in req.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        if status == RequestStatus.FINISHED_REMOTE_DECODE:
+            self.pinned[req.request_id] = req
+        else:
+            self.kv.free(req)
+        if req.group_index == 0 and self._leaders.get(req.group_id) is req:
+            del self._leaders[req.group_id]
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests by id (engine thread). Frees their blocks, pinned ones too."""
+        ids = set(request_ids)
+        done: list[Request] = []
+        for queue in (self.running, self.waiting):
+            for req in [r for r in queue if r.request_id in ids]:
+                queue.remove(req)
+                self.kv.free(req)
+                req.status = status
+                done.append(req)
+        for rid in ids & (self.loading.keys() | self.pinned.keys()):
+            req = self.loading.pop(rid, None) or self.pinned.pop(rid)
+            self.kv.free(req)
+            if not req.is_finished:
+                req.status = status
+            done.append(req)
+        for req in done:
+            if self._leaders.get(req.group_id) is req:
+                del self._leaders[req.group_id]
+        return done
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Prefill role: the decode worker has its copy (or gave up); free the pinned blocks."""
+        req = self.pinned.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True

@@ -1,0 +1,267 @@
+"""Kernel 3: prefill/extend attention over the paged KV cache.
+
+Called by the Triton attention backend for steps that contain prefill chunks (or mixed batches),
+after kv_cache_write has stored the step's tokens. Sequence i's query tokens are packed at
+``query_start_loc[i]:query_start_loc[i+1]``; they sit at absolute positions
+``context_len .. seq_len-1`` (context_len = seq_len - query_len, the cached prefix from earlier
+chunks or prefix-cache hits) and attend causally to cache positions up to their own. A decode token
+is simply a query of length 1, so mixed batches run through this kernel unchanged.
+
+One program handles one (query tile, sequence, KV head). Its BLOCK_M rows are (token, group head)
+pairs, token-major, so every KV tile is loaded once for all query heads sharing it (GQA/MQA).
+Positions below the tile's first query position need no causal mask and are processed in an
+unmasked loop; only the diagonal tiles are masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from tandem.kernels.launch import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_launchable,
+    check_shape,
+)
+from tandem.kernels.paged_kv import (
+    NEG_BIG,
+    attention_ref,
+    gather_seq_kv_ref,
+    load_paged_tile,
+    softmax_update,
+)
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _paged_extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    block_size,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_ptr + seq + 1) - q_start).to(tl.int32)
+    tok_lo = tile * TOKENS_PER_TILE
+    # The grid covers the longest query; tiles past this sequence's end have nothing to do.
+    if tok_lo < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+        r = tl.arange(0, BLOCK_M)
+        tok = tok_lo + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_mask = (r < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        n = tl.arange(0, BLOCK_N)
+        io_mask = row_mask[:, None] & d_mask[None, :]
+        row_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + row_off, mask=io_mask, other=0.0)
+        q_pos = context_len + tok
+
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = block_tables_ptr + seq * stride_bt
+        # Every row of this tile may see all positions below its first query position.
+        unmasked_end = (context_len + tok_lo) // BLOCK_N * BLOCK_N
+        kv_end = tl.minimum(seq_len, context_len + tok_lo + TOKENS_PER_TILE)
+        all_n = n < BLOCK_N
+        for start in range(0, unmasked_end, BLOCK_N):
+            pos = start + n
+            k = load_paged_tile(
+                k_cache_ptr, bt_row, pos, all_n, kv_head, d, d_mask, block_size,
+                stride_kb, stride_ks, stride_kh,
+            )  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            v = load_paged_tile(
+                v_cache_ptr, bt_row, pos, all_n, kv_head, d, d_mask, block_size,
+                stride_vb, stride_vs, stride_vh,
+            )  # fmt: skip
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc)
+        for start in range(unmasked_end, kv_end, BLOCK_N):
+            pos = start + n
+            n_mask = pos < kv_end
+            k = load_paged_tile(
+                k_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
+                stride_kb, stride_ks, stride_kh,
+            )  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(causal, s, float("-inf"))
+            v = load_paged_tile(
+                v_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
+                stride_vb, stride_vs, stride_vh,
+            )  # fmt: skip
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    name = "paged_extend_attention"
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"{name}: q must be [T, Hq, D] and k_cache [blocks, block_size, Hkv, D]")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{name}: {num_heads} query heads not a multiple of {num_kv_heads}")
+    num_seqs = seq_lens.shape[0]
+    check_shape(name, "k_cache", k_cache, (*k_cache.shape[:3], head_dim))
+    check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
+    check_shape(name, "seq_lens", seq_lens, (num_seqs,))
+    check_shape(name, "query_start_loc", query_start_loc, (num_seqs + 1,))
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"{name}: block_tables must be [{num_seqs}, max_blocks]")
+    check_dtype(name, "q", q, FLOAT_DTYPES)
+    check_dtype(name, "k_cache", k_cache, (q.dtype,))
+    check_dtype(name, "v_cache", v_cache, (q.dtype,))
+    for what, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
+        check_dtype(name, what, t, (torch.int32, torch.int64))
+    for what, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, what, t)
+    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        raise ValueError(f"{name}: seq_lens and query_start_loc must be contiguous")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables rows must be contiguous")
+    check_launchable(name, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries q [T, Hq, D] over each sequence's cache positions.
+
+    max_query_len is a host int (sizes the grid without a device sync) and must be >= every query
+    length. Rows of q beyond query_start_loc[-1] are not written. Returns [T, Hq, D] in q's dtype
+    (into out when given). block_m/block_n override the tiles (powers of two >= 16).
+    """
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_shape("paged_extend_attention", "out", out, tuple(q.shape))
+        check_dtype("paged_extend_attention", "out", out, (q.dtype,))
+        check_last_dim_contiguous("paged_extend_attention", "out", out)
+    if num_seqs == 0 or max_query_len <= 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    if block_m is None:
+        block_m = 64 if q.is_cuda else 16
+    if block_n is None:
+        block_n = 64 if q.is_cuda and block_d <= 128 else 32 if q.is_cuda else 16
+    block_m = max(block_m, triton.next_power_of_2(group))
+    for what, b in (("block_m", block_m), ("block_n", block_n)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"paged_extend_attention: {what} must be a power of two >= 16")
+    tokens_per_tile = block_m // group
+    grid = (triton.cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
+    _paged_extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_cache.shape[1],
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        TOKENS_PER_TILE=tokens_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`paged_extend_attention`; rows past the last query are zero."""
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
+        pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+        out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale).to(q.dtype)
+    return out

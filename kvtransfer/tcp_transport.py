@@ -1,0 +1,201 @@
+"""TCP fallback data path over pyzmq.
+
+Prefill binds a ROUTER; each decode connects a DEALER whose routing id is its connection token
+and says ``ready`` once, so prefill can address it. A transfer is one multipart message
+``[header, segment_0, ...]`` sent zero-copy from the KV cache (CPU) and copied once on arrival
+into the local blocks. The copy happens on the event loop, so once a waiter is gone nothing
+writes its views again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import warnings
+
+import msgpack
+import torch
+import zmq
+import zmq.asyncio
+
+from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
+
+log = logging.getLogger(__name__)
+
+_READY = b"ready"
+_MAX_HEADER = 1 << 20
+
+
+def _host_array(view: torch.Tensor):  # noqa: ANN202 - numpy array, numpy is torch's dependency
+    return (view if view.device.type == "cpu" else view.cpu()).numpy()
+
+
+class TcpSendTransport:
+    name = "tcp"
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self._ctx = ctx
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ready: set[bytes] = set()
+        self._reader: asyncio.Task[None] | None = None
+        self.data_address = ""
+
+    async def start(self, host: str) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # this socket only ever receives "ready"
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{host}:0")
+        self.data_address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sock = sock
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2 or len(frames[0]) != TOKEN_BYTES or frames[1] != _READY:
+                log.warning("kv tcp data: dropped unexpected frame set (%d frames)", len(frames))
+                continue
+            self._ready.add(frames[0])
+            try:
+                await self._sock.send_multipart([frames[0], _READY])
+            except zmq.ZMQError as exc:
+                log.warning("kv tcp data: ready ack failed: %s", exc)
+
+    async def send(
+        self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        if self._sock is None or peer not in self._ready:
+            raise TransferError("tcp data channel of this peer is not connected")
+        header = msgpack.packb({"xfer_id": xfer_id, "sizes": [v.numel() for v in views]})
+        frames = [peer, header, *(_host_array(v) for v in views)]
+        try:
+            tracker = await asyncio.wait_for(
+                self._sock.send_multipart(frames, copy=False, track=True), timeout
+            )
+        except zmq.ZMQError as exc:
+            raise TransferError(f"tcp send failed: {exc}") from None
+        except TimeoutError:
+            raise TransferError("tcp send timed out (peer not reading)") from None
+        # zmq reads the frames from our memory after send returns; the tracker says when done.
+        deadline = time.monotonic() + timeout
+        for delay in itertools.chain((0.0005, 0.001, 0.002, 0.005), itertools.repeat(0.01)):
+            if tracker.done:
+                return
+            if time.monotonic() >= deadline:
+                raise TransferError("tcp send did not complete in time")
+            await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+class _Waiter:
+    __slots__ = ("views", "future")
+
+    def __init__(self, views: list[torch.Tensor], future: asyncio.Future[None]) -> None:
+        self.views = views
+        self.future = future
+
+
+class TcpRecvTransport:
+    name = "tcp"
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self._ctx = ctx
+        self._socks: dict[bytes, zmq.asyncio.Socket] = {}
+        self._readers: dict[bytes, asyncio.Task[None]] = {}
+        self._waiters: dict[int, _Waiter] = {}
+        self._ids = itertools.count(1)
+
+    def new_xfer_id(self) -> int:
+        return next(self._ids)
+
+    async def connect(self, data_address: str, token: bytes, timeout: float) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, token)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(data_address)
+        try:
+            await sock.send(_READY)
+            ack = await asyncio.wait_for(sock.recv(), timeout)
+        except TimeoutError:
+            sock.close(linger=0)
+            raise TransferError(f"tcp data channel {data_address} did not answer") from None
+        if ack != _READY:
+            sock.close(linger=0)
+            raise TransferError("tcp data channel answered garbage")
+        self._socks[token] = sock
+        self._readers[token] = asyncio.ensure_future(self._read(sock))
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                self._deliver(frames)
+            except Exception:  # a hostile peer must not kill the reader
+                log.exception("kv tcp data: failed to deliver a transfer")
+
+    def _deliver(self, frames: list[zmq.Frame]) -> None:
+        if len(frames[0]) > _MAX_HEADER:
+            log.warning("kv tcp data: oversized header dropped")
+            return
+        try:
+            header = msgpack.unpackb(frames[0].bytes, raw=False, max_buffer_size=_MAX_HEADER)
+            xfer_id, sizes = header["xfer_id"], header["sizes"]
+        except Exception:
+            log.warning("kv tcp data: malformed header dropped")
+            return
+        waiter = self._waiters.pop(xfer_id, None) if type(xfer_id) is int else None
+        if waiter is None:
+            log.warning("kv tcp data: transfer %r is unknown or cancelled; dropped", xfer_id)
+            return
+        expected = [v.numel() for v in waiter.views]
+        got = [len(f) for f in frames[1:]]
+        if sizes != expected or got != expected:
+            waiter.future.set_exception(
+                TransferError(f"tcp data sizes {got} differ from requested {expected}")
+            )
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # zmq buffers are read-only; we only read them
+            for view, frame in zip(waiter.views, frames[1:], strict=True):
+                view.copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
+        waiter.future.set_result(None)
+
+    async def recv(
+        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        if token not in self._socks:
+            raise TransferError("tcp data channel of this peer is not connected")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[xfer_id] = _Waiter(views, future)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise TransferError("tcp transfer timed out") from None
+        finally:
+            self._waiters.pop(xfer_id, None)
+
+    async def disconnect(self, token: bytes) -> None:
+        reader = self._readers.pop(token, None)
+        if reader is not None:
+            reader.cancel()
+        sock = self._socks.pop(token, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    async def close(self) -> None:
+        for token in list(self._socks):
+            await self.disconnect(token)
+        for waiter in self._waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(TransferError("connector closed"))
+        self._waiters.clear()

@@ -1,0 +1,66 @@
+"""The data-path seam between the connector and its transports (UCX, TCP).
+
+The connector resolves block ids into byte views of the KV cache; a transport only moves bytes
+between views. Peers are identified by the decode side's 16-byte connection token, which decode
+also uses as its ZMQ routing id on the side channel, so prefill maps a PULL to a data channel.
+Every coroutine here runs on the connector's event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+TOKEN_BYTES = 16
+
+
+class TransferError(RuntimeError):
+    """A data-path failure; the message says why (timeout, disconnect, bad data)."""
+
+
+def block_bytes_view(kv_cache: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Flat uint8 view of blocks ``start .. start+count-1``: one contiguous range, no copy."""
+    return kv_cache[start : start + count].reshape(-1).view(torch.uint8)
+
+
+class SendTransport(Protocol):
+    """Prefill side: serves pulls from the blocks named by the connector."""
+
+    name: str
+    data_address: str  # advertised in HELLO_OK; empty until start() returns
+
+    async def start(self, host: str) -> None: ...
+
+    async def send(
+        self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        """Send views[i] as segment i of ``xfer_id``. Returns once the views may be reused;
+        raises TransferError (the views may then still be read for a short while only if the
+        transport could not cancel, which it logs)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class RecvTransport(Protocol):
+    """Decode side: pulls segments straight into the local block views."""
+
+    name: str
+
+    def new_xfer_id(self) -> int:
+        """A transfer id unique among all transfers this process receives."""
+        ...
+
+    async def connect(self, data_address: str, token: bytes, timeout: float) -> None: ...
+
+    async def recv(
+        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        """Fill views[i] with segment i of ``xfer_id``. Raises TransferError; in every outcome it
+        returns only when nothing will write to the views any more."""
+        ...
+
+    async def disconnect(self, token: bytes) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,220 @@
+"""UCX data path through ucxx.
+
+ucxx keeps one UCX context and worker per process and binds its futures to the event loop that
+first uses it, so all UCX work of a process runs on one dedicated thread and loop
+(``UcxRuntime``, shared by every connector in the process). Connectors submit coroutines to it.
+
+Prefill listens; decode connects one endpoint per prefill engine and sends its 16-byte token on
+the endpoint's own (peer-info) tags, so prefill maps side-channel PULLs to endpoints. Segment i
+of transfer x travels with the forced tag ``x << 20 | i``; transfer ids are unique per receiving
+process, so tags never collide on the shared worker. Decode posts its receives directly on the
+local KV-cache views (host memory, or device memory through __cuda_array_interface__ where UCX
+has CUDA transports): the payload never becomes a Python object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SEGMENT_BITS = 20
+_CANCEL_GRACE_S = 5.0
+
+
+def _buffer(view: torch.Tensor) -> Any:
+    # numpy exposes __array_interface__ for host memory; torch CUDA tensors expose
+    # __cuda_array_interface__ themselves. Both are zero-copy views.
+    return view.numpy() if view.device.type == "cpu" else view
+
+
+class UcxRuntime:
+    """The process's UCX thread and event loop. Created on first use, never torn down: ucxx
+    cannot be re-initialised safely while endpoints of other connectors may still exist."""
+
+    _lock = threading.Lock()
+    _instance: UcxRuntime | None = None
+
+    def __init__(self) -> None:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx  # imported lazily: the tcp transport must work without UCX
+
+        self.ucxx = ucxx
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="ucx", daemon=True)
+        self._thread.start()
+        self._xfer_ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> UcxRuntime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = UcxRuntime()
+            return cls._instance
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the UCX loop from another loop. Cancelling the caller does not
+        cancel the UCX side: its coroutines always clean up their own requests."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(coro)))
+
+    def new_xfer_id(self) -> int:
+        with self._ids_lock:
+            return next(self._xfer_ids)
+
+
+def _tag(xfer_id: int, segment: int) -> int:
+    return (xfer_id << SEGMENT_BITS) | segment
+
+
+async def _finish(tasks: list[asyncio.Future[Any]], timeout: float, ep: Any, what: str) -> None:
+    """Wait for all UCX requests; on timeout abort the endpoint so none stays posted."""
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    if pending:
+        ep.abort()  # cancels every request in flight on this endpoint
+        await asyncio.wait(pending, timeout=_CANCEL_GRACE_S)
+        for t in pending:
+            if not t.done():
+                log.error("kv ucx: %s request still pending after endpoint abort", what)
+        raise TransferError(f"ucx {what} timed out")
+    for t in done:
+        if t.exception() is not None:
+            raise TransferError(f"ucx {what} failed: {t.exception()}")
+
+
+class UcxSendTransport:
+    name = "ucx"
+
+    def __init__(self, runtime: UcxRuntime) -> None:
+        self._rt = runtime
+        self._listener: Any = None
+        self._eps: dict[bytes, Any] = {}
+        self.data_address = ""
+
+    async def start(self, host: str) -> None:
+        async def listen() -> Any:
+            return self._rt.ucxx.create_listener(self._on_connect, port=0)
+
+        self._listener = await self._rt.run(listen())
+        self.data_address = f"{host}:{self._listener.port}"
+
+    async def _on_connect(self, ep: Any) -> None:
+        token = np.zeros(TOKEN_BYTES, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(ep.recv(token), 10.0)
+            self._eps[token.tobytes()] = ep
+            await ep.send(np.ones(1, dtype=np.uint8))
+        except Exception as exc:
+            log.warning("kv ucx: incoming endpoint failed its token exchange: %s", exc)
+
+    async def send(
+        self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        async def go() -> None:
+            ep = self._eps.get(peer)
+            if ep is None or ep.closed:
+                raise TransferError("ucx endpoint of this peer is not connected")
+            tasks = [
+                asyncio.ensure_future(ep.send(_buffer(v), tag=_tag(xfer_id, i), force_tag=True))
+                for i, v in enumerate(views)
+            ]
+            try:
+                await _finish(tasks, timeout, ep, "send")
+            except TransferError:
+                self._eps.pop(peer, None)
+                raise
+
+        await self._rt.run(go())
+
+    async def close(self) -> None:
+        async def go() -> None:
+            for ep in self._eps.values():
+                ep.abort()
+            self._eps.clear()
+            if self._listener is not None:
+                self._listener.close()
+
+        await self._rt.run(go())
+
+
+class UcxRecvTransport:
+    name = "ucx"
+
+    def __init__(self, runtime: UcxRuntime) -> None:
+        self._rt = runtime
+        self._eps: dict[bytes, Any] = {}
+
+    def new_xfer_id(self) -> int:
+        return self._rt.new_xfer_id()
+
+    async def connect(self, data_address: str, token: bytes, timeout: float) -> None:
+        host, _, port = data_address.rpartition(":")
+
+        async def go() -> None:
+            ep = await asyncio.wait_for(
+                self._rt.ucxx.create_endpoint(host, int(port)), timeout
+            )
+            ack = np.zeros(1, dtype=np.uint8)
+            try:
+                await ep.send(np.frombuffer(token, dtype=np.uint8))
+                await asyncio.wait_for(ep.recv(ack), timeout)
+            except Exception:
+                ep.abort()
+                raise
+            self._eps[token] = ep
+
+        try:
+            await self._rt.run(go())
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"ucx connect to {data_address} failed: {exc!r}") from None
+
+    async def recv(
+        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+    ) -> None:
+        async def go() -> None:
+            ep = self._eps.get(token)
+            if ep is None or ep.closed:
+                raise TransferError("ucx endpoint of this peer is not connected")
+            tasks = [
+                asyncio.ensure_future(ep.recv(_buffer(v), tag=_tag(xfer_id, i), force_tag=True))
+                for i, v in enumerate(views)
+            ]
+            try:
+                await _finish(tasks, timeout, ep, "recv")
+            except TransferError:
+                self._eps.pop(token, None)
+                raise
+
+        await self._rt.run(go())
+
+    async def disconnect(self, token: bytes) -> None:
+        async def go() -> None:
+            ep = self._eps.pop(token, None)
+            if ep is not None:
+                ep.abort()
+
+        await self._rt.run(go())
+
+    async def close(self) -> None:
+        for token in list(self._eps):
+            await self.disconnect(token)

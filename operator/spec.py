@@ -1,0 +1,341 @@
+"""The TandemService spec as typed, validated dataclasses.
+
+The CRD's openAPIV3Schema (manifests/crd/) catches what a schema can (types, bounds, enums) and
+applies defaults on a real API server. `parse_spec` applies the same defaults again, because the
+operator must also work against servers that do not default (tests' emulator, old objects), and
+checks what a schema cannot express (min <= max, a URL when the source is prometheus, ...).
+A test keeps the two sets of defaults equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+DEFAULT_IMAGE = "ghcr.io/tandem-llm/tandem:0.1.0"
+ROUTER_POLICIES = ("prefix-aware", "least-load", "round-robin")
+TRANSPORTS = ("ucx", "tcp")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+class SpecError(ValueError):
+    """A spec the schema let through but the operator refuses; the message says which field."""
+
+
+class MetricsSource(IntEnum):
+    DIRECT = 1
+    PROMETHEUS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PVCSpec:
+    claim_name: str
+    mount_path: str = "/models"
+    read_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str = "demo"
+    path: str = ""
+    pvc: PVCSpec | None = None
+
+    @property
+    def argument(self) -> str:
+        """What `--model` receives: the path when one is given, else the served name."""
+        return self.path or self.name
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    requests: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class APIKeySecret:
+    name: str
+    key: str = "api-key"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    replicas: int = 1
+    policy: str = "prefix-aware"
+    local_prefill_threshold: int = 64
+    port: int = 8000
+    service_type: str = "ClusterIP"
+    api_key_secret: APIKeySecret | None = None
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    replicas: int = 1
+    port: int = 8100
+    resources: Resources = field(default_factory=Resources)
+    engine_options: dict[str, str] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    min_replicas: int = 1
+    max_replicas: int = 4
+
+    def clamp(self, n: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, n))
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSpec:
+    source: MetricsSource = MetricsSource.DIRECT
+    prometheus_url: str = ""
+    window_seconds: int = 60
+    # PromQL label matchers that select this service's series; {namespace} and {name} expand.
+    selector: str = 'namespace="{namespace}",tandem_service="{name}"'
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    prefill: Bounds = field(default_factory=Bounds)
+    decode: Bounds = field(default_factory=Bounds)
+    ttft_seconds: float = 1.0
+    itl_seconds: float = 0.05
+    prefill_queue_per_replica: float = 4.0
+    decode_running_per_replica: float = 32.0
+    kv_cache_usage: float = 0.8
+    tolerance: float = 0.1
+    interval_seconds: int = 15
+    scale_up_cooldown_seconds: int = 30
+    scale_down_cooldown_seconds: int = 120
+    warmup_seconds: int = 60
+    metrics: MetricsSpec = field(default_factory=MetricsSpec)
+
+
+@dataclass(frozen=True, slots=True)
+class TandemServiceSpec:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    router: RouterSpec = field(default_factory=RouterSpec)
+    prefill: PoolSpec = field(default_factory=lambda: PoolSpec(port=8100))
+    decode: PoolSpec = field(default_factory=lambda: PoolSpec(port=8200))
+    kv_transport: str = "ucx"
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+
+def _section(raw: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}.{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, default: int, where: str, minimum: int = 0) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(f"{where}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(raw: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"{where}.{key} must be a number, got {value!r}")
+    if value <= 0:
+        raise SpecError(f"{where}.{key} must be > 0, got {value}")
+    return float(value)
+
+
+def _str(
+    raw: Mapping[str, Any], key: str, default: str, where: str, choices: tuple[str, ...] = ()
+) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str):
+        raise SpecError(f"{where}.{key} must be a string, got {value!r}")
+    if choices and value not in choices:
+        raise SpecError(f"{where}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _str_map(raw: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+    value = _section(raw, key, where)
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise SpecError(f"{where}.{key}.{k} must be a string or number, got {v!r}")
+        out[str(k)] = str(v)
+    return out
+
+
+def _resources(raw: Mapping[str, Any], where: str) -> Resources:
+    section = _section(raw, "resources", where)
+    return Resources(
+        requests=_str_map(section, "requests", f"{where}.resources"),
+        limits=_str_map(section, "limits", f"{where}.resources"),
+    )
+
+
+def _pool(raw: Mapping[str, Any], where: str, port: int) -> PoolSpec:
+    options = _str_map(raw, "engineOptions", where)
+    for key in options:
+        if not key or "=" in key or key.startswith("-"):
+            raise SpecError(f"{where}.engineOptions key {key!r} must be a bare option name")
+    tolerations = raw.get("tolerations", [])
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        raise SpecError(f"{where}.tolerations must be a list of objects")
+    return PoolSpec(
+        replicas=_int(raw, "replicas", 1, where),
+        port=_int(raw, "port", port, where, minimum=1),
+        resources=_resources(raw, where),
+        engine_options=options,
+        node_selector=_str_map(raw, "nodeSelector", where),
+        tolerations=tuple(dict(t) for t in tolerations),
+    )
+
+
+def _bounds(raw: Mapping[str, Any], where: str) -> Bounds:
+    bounds = Bounds(
+        min_replicas=_int(raw, "minReplicas", 1, where),
+        max_replicas=_int(raw, "maxReplicas", 4, where, minimum=1),
+    )
+    if bounds.min_replicas > bounds.max_replicas:
+        raise SpecError(
+            f"{where}.minReplicas ({bounds.min_replicas}) is greater than "
+            f"{where}.maxReplicas ({bounds.max_replicas})"
+        )
+    return bounds
+
+
+def _metrics(raw: Mapping[str, Any], where: str) -> MetricsSpec:
+    source_name = _str(raw, "source", "direct", where, choices=("direct", "prometheus"))
+    source = MetricsSource[source_name.upper()]
+    url = _str(raw, "prometheusUrl", "", where)
+    if source is MetricsSource.PROMETHEUS and not url.startswith(("http://", "https://")):
+        raise SpecError(f"{where}.prometheusUrl must be an http(s) URL when source is prometheus")
+    return MetricsSpec(
+        source=source,
+        prometheus_url=url.rstrip("/"),
+        window_seconds=_int(raw, "windowSeconds", 60, where, minimum=10),
+        selector=_str(raw, "selector", MetricsSpec.selector, where),
+    )
+
+
+def _autoscaling(raw: Mapping[str, Any], where: str) -> AutoscalingSpec:
+    defaults = AutoscalingSpec()
+    enabled = raw.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise SpecError(f"{where}.enabled must be a boolean")
+    tolerance = raw.get("tolerance", defaults.tolerance)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+        raise SpecError(f"{where}.tolerance must be a number")
+    if not 0 <= tolerance < 1:
+        raise SpecError(f"{where}.tolerance must be in [0, 1), got {tolerance}")
+    kv = _float(raw, "kvCacheUsage", defaults.kv_cache_usage, where)
+    if kv > 1:
+        raise SpecError(f"{where}.kvCacheUsage must be <= 1, got {kv}")
+    return AutoscalingSpec(
+        enabled=enabled,
+        prefill=_bounds(_section(raw, "prefill", where), f"{where}.prefill"),
+        decode=_bounds(_section(raw, "decode", where), f"{where}.decode"),
+        ttft_seconds=_float(raw, "ttftSeconds", defaults.ttft_seconds, where),
+        itl_seconds=_float(raw, "itlSeconds", defaults.itl_seconds, where),
+        prefill_queue_per_replica=_float(
+            raw, "prefillQueuePerReplica", defaults.prefill_queue_per_replica, where
+        ),
+        decode_running_per_replica=_float(
+            raw, "decodeRunningPerReplica", defaults.decode_running_per_replica, where
+        ),
+        kv_cache_usage=kv,
+        tolerance=float(tolerance),
+        interval_seconds=_int(raw, "intervalSeconds", defaults.interval_seconds, where, 5),
+        scale_up_cooldown_seconds=_int(
+            raw, "scaleUpCooldownSeconds", defaults.scale_up_cooldown_seconds, where
+        ),
+        scale_down_cooldown_seconds=_int(
+            raw, "scaleDownCooldownSeconds", defaults.scale_down_cooldown_seconds, where
+        ),
+        warmup_seconds=_int(raw, "warmupSeconds", defaults.warmup_seconds, where),
+        metrics=_metrics(_section(raw, "metrics", where), f"{where}.metrics"),
+    )
+
+
+def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
+    """Parse a TandemService `.spec` (camelCase, possibly undefaulted) or raise SpecError.
+
+    Called by every handler before it renders anything, so a bad spec changes no child.
+    """
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec must be an object")
+    model_raw = _section(raw, "model", "spec")
+    pvc_raw = model_raw.get("pvc")
+    pvc = None
+    if pvc_raw is not None:
+        if not isinstance(pvc_raw, Mapping) or not pvc_raw.get("claimName"):
+            raise SpecError("spec.model.pvc.claimName is required when spec.model.pvc is set")
+        pvc = PVCSpec(
+            claim_name=_str(pvc_raw, "claimName", "", "spec.model.pvc"),
+            mount_path=_str(pvc_raw, "mountPath", "/models", "spec.model.pvc"),
+            read_only=bool(pvc_raw.get("readOnly", True)),
+        )
+    model = ModelSpec(
+        name=_str(model_raw, "name", "demo", "spec.model"),
+        path=_str(model_raw, "path", "", "spec.model"),
+        pvc=pvc,
+    )
+    if not model.name:
+        raise SpecError("spec.model.name must not be empty")
+    if pvc is not None and model.path and not model.path.startswith(pvc.mount_path):
+        raise SpecError(
+            f"spec.model.path {model.path!r} is outside the PVC mount {pvc.mount_path!r}"
+        )
+    router_raw = _section(raw, "router", "spec")
+    secret_raw = router_raw.get("apiKeySecret")
+    secret = None
+    if secret_raw is not None:
+        if not isinstance(secret_raw, Mapping) or not secret_raw.get("name"):
+            raise SpecError("spec.router.apiKeySecret.name is required when apiKeySecret is set")
+        secret = APIKeySecret(
+            name=_str(secret_raw, "name", "", "spec.router.apiKeySecret"),
+            key=_str(secret_raw, "key", "api-key", "spec.router.apiKeySecret"),
+        )
+    router = RouterSpec(
+        replicas=_int(router_raw, "replicas", 1, "spec.router"),
+        policy=_str(router_raw, "policy", "prefix-aware", "spec.router", ROUTER_POLICIES),
+        local_prefill_threshold=_int(router_raw, "localPrefillThreshold", 64, "spec.router"),
+        port=_int(router_raw, "port", 8000, "spec.router", minimum=1),
+        service_type=_str(router_raw, "serviceType", "ClusterIP", "spec.router", SERVICE_TYPES),
+        api_key_secret=secret,
+        resources=_resources(router_raw, "spec.router"),
+    )
+    prefill = _pool(_section(raw, "prefill", "spec"), "spec.prefill", 8100)
+    decode = _pool(_section(raw, "decode", "spec"), "spec.decode", 8200)
+    ports = {router.port, prefill.port, decode.port}
+    if len(ports) != 3:
+        raise SpecError("spec.router.port, spec.prefill.port and spec.decode.port must differ")
+    kv_raw = _section(raw, "kvTransfer", "spec")
+    autoscaling = _autoscaling(_section(raw, "autoscaling", "spec"), "spec.autoscaling")
+    if decode.replicas == 0 and not autoscaling.enabled:
+        raise SpecError("spec.decode.replicas must be >= 1: decode workers serve every request")
+    if autoscaling.enabled and autoscaling.decode.min_replicas == 0:
+        raise SpecError("spec.autoscaling.decode.minReplicas must be >= 1")
+    return TandemServiceSpec(
+        model=model,
+        image=_str(raw, "image", DEFAULT_IMAGE, "spec"),
+        image_pull_policy=_str(raw, "imagePullPolicy", "IfNotPresent", "spec", PULL_POLICIES),
+        router=router,
+        prefill=prefill,
+        decode=decode,
+        kv_transport=_str(kv_raw, "transport", "ucx", "spec.kvTransfer", TRANSPORTS),
+        autoscaling=autoscaling,
+    )

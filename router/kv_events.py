@@ -1,0 +1,160 @@
+"""KV-event subscription: one ZMQ SUB task per registered worker feeding the PrefixIndex.
+
+The app starts a subscription when a worker registers and stops it when the worker leaves; the
+``KvEventSubscriber`` owns the ZMQ context and every socket. Each task first loads a snapshot
+(``/v1/internal/kv_blocks``), then applies events in sequence order; a gap, a foreign engine id or a
+malformed message triggers another snapshot. Messages are msgpack (never pickle) and size-limited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from tandem.router.prefix_index import (
+    ApplyResult,
+    EventKind,
+    KvEvent,
+    KvEventBatch,
+    PrefixIndex,
+)
+from tandem.router.worker_client import WorkerClient, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"kv"
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+_KINDS = {"stored": EventKind.STORED, "removed": EventKind.REMOVED, "cleared": EventKind.CLEARED}
+
+
+class MalformedEvent(ValueError):
+    pass
+
+
+def decode_batch(payload: bytes) -> KvEventBatch:
+    """Decode one event message; raises MalformedEvent naming what is wrong."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise MalformedEvent(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MalformedEvent(f"not msgpack: {exc}") from None
+    if not isinstance(msg, dict):
+        raise MalformedEvent("message is not a map")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise MalformedEvent(f"unsupported protocol version {msg.get('v')!r}")
+    engine_id, seq, raw_events = msg.get("engine_id"), msg.get("seq"), msg.get("events")
+    if not isinstance(engine_id, str):
+        raise MalformedEvent("engine_id must be a string")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise MalformedEvent("seq must be a non-negative integer")
+    if not isinstance(raw_events, list):
+        raise MalformedEvent("events must be a list")
+    return KvEventBatch(engine_id, seq, tuple(_decode_event(e) for e in raw_events))
+
+
+def _decode_event(raw: Any) -> KvEvent:
+    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
+        raise MalformedEvent(f"unknown event {raw!r:.80}")
+    kind = _KINDS[raw[0]]
+    if kind is EventKind.CLEARED:
+        return KvEvent(kind)
+    if len(raw) != 2 or not isinstance(raw[1], list):
+        raise MalformedEvent(f"{raw[0]} event needs a list of hashes")
+    if not all(isinstance(h, bytes) for h in raw[1]):
+        raise MalformedEvent(f"{raw[0]} hashes must be bytes")
+    return KvEvent(kind, tuple(raw[1]))
+
+
+def encode_batch(engine_id: str, seq: int, events: list[list[Any]]) -> list[bytes]:
+    """The two-frame message a publisher sends (used by tests and benchmarks' worker doubles)."""
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "engine_id": engine_id, "seq": seq,
+                             "events": events}, use_bin_type=True)
+    return [TOPIC, payload]
+
+
+class KvEventSubscriber:
+    """Owns the ZMQ context and one subscription task per worker."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        client: WorkerClient,
+        on_event: Callable[[str, ApplyResult], None] | None = None,
+        resync_backoff_s: float = 0.5,
+    ) -> None:
+        self._index = index
+        self._client = client
+        self._on_event = on_event
+        self._backoff = resync_backoff_s
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, engine_id: str, endpoint: str, worker_url: str) -> None:
+        self.stop(engine_id)
+        self._tasks[engine_id] = asyncio.create_task(
+            self._run(engine_id, endpoint, worker_url), name=f"kv-events-{engine_id}"
+        )
+
+    def stop(self, engine_id: str) -> None:
+        task = self._tasks.pop(engine_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._ctx.term()
+
+    async def _resync(self, engine_id: str, worker_url: str) -> None:
+        """Load a snapshot, retrying with backoff until it is consistent or the task is stopped."""
+        while True:
+            try:
+                snap_id, seq, hashes = await self._client.kv_blocks(worker_url)
+                if self._index.load_snapshot(engine_id, snap_id, seq, hashes):
+                    return
+                log.warning("kv snapshot of %s came from engine %s", engine_id, snap_id)
+            except WorkerUnavailable as exc:
+                log.warning("kv resync of %s failed: %s", engine_id, exc)
+            await asyncio.sleep(self._backoff)
+
+    async def _run(self, engine_id: str, endpoint: str, worker_url: str) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        try:
+            sock.connect(endpoint)
+            await self._resync(engine_id, worker_url)
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 2 or frames[0] != TOPIC:
+                    self._index.invalidate(engine_id)
+                    result = ApplyResult.NEEDS_RESYNC
+                else:
+                    try:
+                        result = self._index.apply(engine_id, decode_batch(frames[1]))
+                    except MalformedEvent as exc:
+                        log.warning("malformed kv event from %s: %s", engine_id, exc)
+                        self._index.invalidate(engine_id)
+                        result = ApplyResult.NEEDS_RESYNC
+                if self._on_event is not None:
+                    self._on_event(engine_id, result)
+                if result is ApplyResult.NEEDS_RESYNC:
+                    await self._resync(engine_id, worker_url)
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError as exc:
+            log.error("kv event subscription to %s (%s) failed: %s", engine_id, endpoint, exc)
+        finally:
+            sock.close(linger=0)

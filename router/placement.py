@@ -1,0 +1,136 @@
+"""Placement: which worker of a pool serves a request, and whether decode prefills locally.
+
+Pure logic, called by ``flow.py`` once per pool per choice with ``Candidate`` snapshots built from
+the registry and the prefix index. The prefix-aware score follows Dynamo's KV router and llm-d's
+precise prefix-cache scorer: reward the fraction of the prompt's blocks a worker already caches,
+penalize its load. Ties rotate (round-robin among the best) so equal workers share traffic.
+
+    load  = kv_usage + (max(running + waiting, inflight) + waiting) / load_scale
+    score = prefix_weight * overlap_blocks / request_blocks - load_weight * load
+
+``inflight`` is the router's own count of requests it has sent there; it covers the up-to-a-second
+lag of heartbeats. Waiting requests count twice: they still need their prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Policy(IntEnum):
+    PREFIX_AWARE = 1
+    LEAST_LOAD = 2
+    ROUND_ROBIN = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def parse(cls, value: str) -> Policy:
+        key = value.strip().upper().replace("-", "_")
+        if key not in cls.__members__:
+            names = ", ".join(p.label for p in cls)
+            raise ValueError(f"unknown placement policy {value!r}; choose one of {names}")
+        return cls[key]
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    engine_id: str
+    overlap_blocks: int
+    request_blocks: int
+    running: int
+    waiting: int
+    kv_usage: float
+    inflight: int
+
+
+@dataclass(slots=True, frozen=True)
+class Weights:
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    load_scale: float = 4.0
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    engine_id: str
+    overlap_blocks: int
+    reason: str  # label of tandem_router_placements_total
+
+
+class PrefillMode(IntEnum):
+    REMOTE = 1
+    LOCAL = 2
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillDecision:
+    mode: PrefillMode
+    reason: str
+
+
+def load_of(c: Candidate, weights: Weights) -> float:
+    requests = max(c.running + c.waiting, c.inflight) + c.waiting
+    return c.kv_usage + requests / weights.load_scale
+
+
+def score_of(c: Candidate, weights: Weights) -> float:
+    ratio = c.overlap_blocks / c.request_blocks if c.request_blocks > 0 else 0.0
+    return weights.prefix_weight * ratio - weights.load_weight * load_of(c, weights)
+
+
+class Placer:
+    """Chooses a worker per pool. Holds only the per-pool rotation counters."""
+
+    def __init__(self, policy: Policy, weights: Weights | None = None) -> None:
+        self.policy = policy
+        self.weights = weights or Weights()
+        self._counters: dict[str, int] = {}
+
+    def choose(self, pool: str, candidates: Sequence[Candidate]) -> Choice:
+        """Pick one of ``candidates`` (non-empty, in a stable order) for ``pool``."""
+        if not candidates:
+            raise ValueError(f"no candidates in pool {pool}")
+        turn = self._counters.get(pool, 0)
+        self._counters[pool] = turn + 1
+        if self.policy is Policy.ROUND_ROBIN:
+            c = candidates[turn % len(candidates)]
+            return Choice(c.engine_id, c.overlap_blocks, "round_robin")
+        if self.policy is Policy.LEAST_LOAD:
+            keys = [-load_of(c, self.weights) for c in candidates]
+        else:
+            keys = [score_of(c, self.weights) for c in candidates]
+        best_key = max(keys)
+        best = [c for c, k in zip(candidates, keys, strict=True) if k >= best_key - 1e-12]
+        c = best[turn % len(best)]
+        if self.policy is Policy.LEAST_LOAD:
+            reason = "least_load"
+        else:
+            reason = "prefix_hit" if c.overlap_blocks > 0 else "load"
+        return Choice(c.engine_id, c.overlap_blocks, reason)
+
+
+def decide_prefill(
+    *,
+    prompt_tokens: int,
+    decode_cached_tokens: int,
+    threshold_tokens: int,
+    decode_is_colocated: bool,
+    prefill_available: bool,
+) -> PrefillDecision:
+    """Conditional disaggregation: prefill on the decode worker or on a prefill worker.
+
+    ``threshold_tokens`` 0 means always use a prefill worker when one is available.
+    """
+    if decode_is_colocated:
+        return PrefillDecision(PrefillMode.LOCAL, "colocated")
+    if not prefill_available:
+        return PrefillDecision(PrefillMode.LOCAL, "local_no_prefill_worker")
+    uncached = prompt_tokens - decode_cached_tokens
+    if threshold_tokens > 0 and uncached < threshold_tokens:
+        return PrefillDecision(PrefillMode.LOCAL, "local_below_threshold")
+    return PrefillDecision(PrefillMode.REMOTE, "remote")

@@ -1,0 +1,167 @@
+"""Per-worker index of cached block hashes, fed by KV events, truthful under event loss.
+
+The KV-event subscriber (``kv_events.py``) applies decoded batches here; placement asks ``overlap``.
+Each worker's entries are a bounded LRU (capacity = the worker's block count, so the index can never
+claim more than the worker holds). A sequence gap, a foreign engine id or an AllCleared drops the
+worker's entries; gaps and foreign ids also mark it unsynced until ``load_snapshot`` (the resync
+from ``/v1/internal/kv_blocks``). An unsynced worker, or one whose events have gone quiet while the
+router expected some, reports zero overlap, so it is scored by load alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from tandem.engine.hashing import BlockHash
+
+
+class EventKind(IntEnum):
+    STORED = 1
+    REMOVED = 2
+    CLEARED = 3
+
+
+@dataclass(slots=True, frozen=True)
+class KvEvent:
+    kind: EventKind
+    hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class KvEventBatch:
+    """One published message: ``seq`` counts messages per publisher from 0."""
+
+    engine_id: str
+    seq: int
+    events: tuple[KvEvent, ...]
+
+
+class ApplyResult(IntEnum):
+    APPLIED = 1
+    IGNORED = 2  # an old or duplicate sequence number, or the worker is waiting for a snapshot
+    NEEDS_RESYNC = 3
+
+
+@dataclass(slots=True)
+class _WorkerEntries:
+    engine_id: str
+    capacity: int
+    hashes: OrderedDict[BlockHash, None]
+    next_seq: int | None = None  # None: unsynced, overlap is not trusted
+    expecting_since: float | None = None  # router sent work that should produce events
+
+
+class PrefixIndex:
+    """Bounded per-worker sets of block hashes. Not thread-safe: used from the event loop."""
+
+    def __init__(self, clock: Callable[[], float], events_stale_after_s: float = 5.0) -> None:
+        self._clock = clock
+        self._stale_after = events_stale_after_s
+        self._workers: dict[str, _WorkerEntries] = {}
+
+    def add_worker(self, engine_id: str, capacity: int) -> None:
+        """Track a worker, unsynced until its first snapshot."""
+        self._workers[engine_id] = _WorkerEntries(engine_id, max(1, capacity), OrderedDict())
+
+    def remove_worker(self, engine_id: str) -> None:
+        self._workers.pop(engine_id, None)
+
+    def apply(self, engine_id: str, batch: KvEventBatch) -> ApplyResult:
+        """Apply one event batch received for the worker registered as ``engine_id``."""
+        w = self._workers.get(engine_id)
+        if w is None:
+            return ApplyResult.IGNORED
+        if batch.engine_id != engine_id:
+            self._desync(w)
+            return ApplyResult.NEEDS_RESYNC
+        if w.next_seq is None:
+            return ApplyResult.IGNORED
+        if batch.seq < w.next_seq:
+            return ApplyResult.IGNORED
+        if batch.seq > w.next_seq:
+            self._desync(w)
+            return ApplyResult.NEEDS_RESYNC
+        w.next_seq = batch.seq + 1
+        w.expecting_since = None
+        for event in batch.events:
+            if event.kind is EventKind.STORED:
+                for h in event.hashes:
+                    w.hashes[h] = None
+                    w.hashes.move_to_end(h)
+                while len(w.hashes) > w.capacity:
+                    w.hashes.popitem(last=False)
+            elif event.kind is EventKind.REMOVED:
+                for h in event.hashes:
+                    w.hashes.pop(h, None)
+            else:
+                w.hashes.clear()
+        return ApplyResult.APPLIED
+
+    def load_snapshot(
+        self, engine_id: str, snapshot_engine_id: str, seq: int, hashes: Iterable[BlockHash]
+    ) -> bool:
+        """Replace a worker's entries with a snapshot that includes every event up to ``seq``.
+
+        Returns False (and leaves the worker unsynced) when the snapshot comes from another engine.
+        """
+        w = self._workers.get(engine_id)
+        if w is None:
+            return False
+        if snapshot_engine_id != engine_id:
+            self._desync(w)
+            return False
+        w.hashes = OrderedDict((h, None) for h in hashes)
+        while len(w.hashes) > w.capacity:
+            w.hashes.popitem(last=False)
+        w.next_seq = seq + 1
+        w.expecting_since = None
+        return True
+
+    def mark_expecting(self, engine_id: str) -> None:
+        """The router sent a request that will store new blocks: events should follow soon."""
+        w = self._workers.get(engine_id)
+        if w is not None and w.expecting_since is None:
+            w.expecting_since = self._clock()
+
+    def is_trusted(self, engine_id: str) -> bool:
+        """Synced, and its events have not gone quiet while the router was expecting some."""
+        w = self._workers.get(engine_id)
+        if w is None or w.next_seq is None:
+            return False
+        if w.expecting_since is None:
+            return True
+        return self._clock() - w.expecting_since <= self._stale_after
+
+    def is_synced(self, engine_id: str) -> bool:
+        w = self._workers.get(engine_id)
+        return w is not None and w.next_seq is not None
+
+    def overlap(self, engine_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Number of leading request blocks the worker holds; 0 when its entries are not trusted."""
+        if not self.is_trusted(engine_id):
+            return 0
+        held = self._workers[engine_id].hashes
+        n = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def invalidate(self, engine_id: str) -> None:
+        """Forget a worker's entries until the next snapshot (e.g. after a malformed message)."""
+        w = self._workers.get(engine_id)
+        if w is not None:
+            self._desync(w)
+
+    def size(self, engine_id: str) -> int:
+        w = self._workers.get(engine_id)
+        return len(w.hashes) if w is not None else 0
+
+    def _desync(self, w: _WorkerEntries) -> None:
+        w.hashes.clear()
+        w.next_seq = None
+        w.expecting_since = None

@@ -1,0 +1,215 @@
+"""The router's registry of live workers: register, heartbeat, deregister, expire.
+
+Pure and synchronous with an injected clock; the app calls it from the registration endpoints and
+from a periodic expiry task, and placement reads ``WorkerState`` snapshots. A worker re-registering
+from the same URL with a new engine id (a restart) replaces the old entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from tandem.router.errors import bad_request
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+
+
+class Role(IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    COLOCATED = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: object) -> Role:
+        if not isinstance(value, str) or value.upper() not in cls.__members__:
+            raise bad_request(f"role must be prefill, decode or colocated, got {value!r}", "role")
+        return cls[value.upper()]
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerInfo:
+    """What a worker tells the router at registration (docs/internal-api.md WorkerInfo)."""
+
+    engine_id: str
+    role: Role
+    model: str
+    url: str
+    block_size: int
+    hash_algorithm: str
+    max_model_len: int
+    num_blocks: int
+    kv_events_endpoint: str | None
+    kv_side_channel: str | None
+
+    @classmethod
+    def from_json(cls, d: object) -> WorkerInfo:
+        """Validate a registration body; raises a 400 OpenAIError naming the bad field."""
+        if not isinstance(d, dict):
+            raise bad_request("registration body must be a JSON object")
+        strs = ("engine_id", "model", "url", "hash_algorithm")
+        ints = ("block_size", "max_model_len", "num_blocks")
+        for key in strs:
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise bad_request(f"{key} must be a non-empty string", key)
+        for key in ints:
+            v = d.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad_request(f"{key} must be a positive integer", key)
+        for key in ("kv_events_endpoint", "kv_side_channel"):
+            v = d.get(key)
+            if v is not None and not isinstance(v, str):
+                raise bad_request(f"{key} must be a string or null", key)
+        url = d["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise bad_request("url must be an http(s) URL", "url")
+        return cls(
+            engine_id=d["engine_id"],
+            role=Role.parse(d.get("role")),
+            model=d["model"],
+            url=url,
+            block_size=d["block_size"],
+            hash_algorithm=d["hash_algorithm"],
+            max_model_len=d["max_model_len"],
+            num_blocks=d["num_blocks"],
+            kv_events_endpoint=d.get("kv_events_endpoint") or None,
+            kv_side_channel=d.get("kv_side_channel"),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Heartbeat:
+    engine_id: str
+    running: int
+    waiting: int
+    kv_usage: float
+    num_free_blocks: int
+
+    @classmethod
+    def from_json(cls, d: object) -> Heartbeat:
+        if not isinstance(d, dict) or not isinstance(d.get("engine_id"), str):
+            raise bad_request("heartbeat needs a string engine_id", "engine_id")
+        for key in ("running", "waiting", "num_free_blocks"):
+            v = d.get(key, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad_request(f"{key} must be a non-negative integer", key)
+        usage = d.get("kv_usage", 0.0)
+        if not isinstance(usage, int | float) or isinstance(usage, bool) or not 0 <= usage <= 1:
+            raise bad_request("kv_usage must be a number in [0, 1]", "kv_usage")
+        return cls(
+            d["engine_id"],
+            d.get("running", 0),
+            d.get("waiting", 0),
+            float(usage),
+            d.get("num_free_blocks", 0),
+        )
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One registered worker: static info, its last reported load and the router's in-flight count.
+
+    ``inflight`` counts sub-requests the router has sent and not yet finished; placement adds it to
+    the reported load because heartbeats lag by up to a second.
+    """
+
+    info: WorkerInfo
+    last_seen: float
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    inflight: int = 0
+    failures: int = field(default=0)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.info.engine_id,
+            "role": self.info.role.label,
+            "url": self.info.url,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "inflight": self.inflight,
+        }
+
+
+class WorkerRegistry:
+    """Live workers keyed by engine id. Not thread-safe: used from the app's event loop only."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        model: str | None = None,
+    ) -> None:
+        self._clock = clock
+        self._timeout = heartbeat_timeout_s
+        self._model = model
+        self._workers: dict[str, WorkerState] = {}
+
+    def register(self, info: WorkerInfo) -> list[WorkerState]:
+        """Add or refresh a worker; returns entries it replaced (same URL, older engine id)."""
+        if self._model is not None and info.model != self._model:
+            raise bad_request(
+                f"worker serves model {info.model!r} but this router serves {self._model!r}",
+                "model",
+            )
+        replaced = [
+            w
+            for w in self._workers.values()
+            if w.info.url == info.url and w.info.engine_id != info.engine_id
+        ]
+        for old in replaced:
+            del self._workers[old.info.engine_id]
+        existing = self._workers.get(info.engine_id)
+        if existing is not None and existing.info == info:
+            existing.last_seen = self._clock()
+        else:
+            self._workers[info.engine_id] = WorkerState(info=info, last_seen=self._clock())
+        return replaced
+
+    def heartbeat(self, hb: Heartbeat) -> bool:
+        """Record a heartbeat; False means unknown engine (the worker must register again)."""
+        w = self._workers.get(hb.engine_id)
+        if w is None:
+            return False
+        w.last_seen = self._clock()
+        w.running, w.waiting = hb.running, hb.waiting
+        w.kv_usage, w.num_free_blocks = hb.kv_usage, hb.num_free_blocks
+        return True
+
+    def deregister(self, engine_id: str) -> WorkerState | None:
+        return self._workers.pop(engine_id, None)
+
+    def expire(self) -> list[WorkerState]:
+        """Drop workers silent for longer than the heartbeat timeout; returns them."""
+        deadline = self._clock() - self._timeout
+        dead = [w for w in self._workers.values() if w.last_seen < deadline]
+        for w in dead:
+            del self._workers[w.info.engine_id]
+        return dead
+
+    def get(self, engine_id: str) -> WorkerState | None:
+        return self._workers.get(engine_id)
+
+    def is_live(self, engine_id: str) -> bool:
+        return engine_id in self._workers
+
+    def by_role(self, *roles: Role) -> list[WorkerState]:
+        """Live workers of the given roles, in registration order (stable for round-robin)."""
+        return [w for w in self._workers.values() if w.info.role in roles]
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def max_model_len(self) -> int | None:
+        """The smallest context length among serving workers (None when there are none)."""
+        lens = [w.info.max_model_len for w in self._workers.values()]
+        return min(lens) if lens else None
