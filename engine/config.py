@@ -27,6 +27,24 @@ class Role(IntEnum):
         return self.name.lower()
 
 
+class LoadFailurePolicy(IntEnum):
+    """What a decode worker does when pulling a request's KV fails."""
+
+    RECOMPUTE = 0  # prefill the prompt locally and carry on
+    FAIL = 1  # finish the request with an error
+
+    @classmethod
+    def parse(cls, value: str | LoadFailurePolicy) -> LoadFailurePolicy:
+        if isinstance(value, LoadFailurePolicy):
+            return value
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise ValueError(
+                f"kv_load_failure_policy must be recompute or fail; got {value!r}"
+            ) from None
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
@@ -37,6 +55,7 @@ class SchedulerConfig:
     aging_steps: int = 256
     # Off: a prompt is only admitted when it fits in one step's token budget.
     enable_chunked_prefill: bool = True
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "aging_steps"):

@@ -27,9 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
 from tandem.engine.sampling_params import SamplingParams
+from transformers import PreTrainedTokenizerBase
 
 PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
@@ -66,7 +65,7 @@ class IncrementalDetokenizer:
         self._stops = list(params.stop)
         self._include_stop = params.include_stop_str_in_output
         # Only the prompt's tail is ever decoded; keep just that as context.
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)

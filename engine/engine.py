@@ -39,6 +39,8 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # Prefill role: where the decode worker pulls this request's KV from (wire dict).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +119,8 @@ class Engine:
         self.arch = arch
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Set by a prefill or decode worker (tandem.kvtransfer.KVConnector); None when colocated.
+        self.connector: Any = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -203,17 +207,24 @@ class Engine:
         return reqs
 
     def enqueue(self, req: Request) -> None:
-        """Queue a built request (workers build decode-side requests with transfer params)."""
+        """Queue a built request. A decode-side request (kv_transfer_params set) already holds
+        the prefill's first token; its detokenizer consumes it silently, because the prefill
+        worker already streamed that text from the same detokenizer state."""
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.output_token_ids:
+            detok.append(req.output_token_ids)
         self._requests[req.request_id] = req
-        self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.params
-        )
+        self._detok[req.request_id] = detok
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort by request id or group id (n > 1); frees blocks, pinned ones included."""
         wanted = set(request_ids)
         ids = {rid for rid, r in self._requests.items() if rid in wanted or r.group_id in wanted}
+        ids |= wanted & self.scheduler.pinned.keys()
+        if self.connector is not None:
+            for rid in ids & (self.scheduler.pinned.keys() | self.scheduler.loading.keys()):
+                self.connector.abort(rid)
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [self._final(r) for r in done]
 
@@ -223,9 +234,12 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        outputs = self._poll_connector() if self.connector is not None else []
         sched = self.scheduler.schedule()
+        for load in sched.loads:
+            self._start_load(load)
         if sched.is_empty:
-            return []
+            return outputs
         result = self.runner.execute(sched)
         for s in sched.scheduled:
             if s.request.num_computed_tokens < s.request.num_prompt_tokens:
@@ -233,10 +247,31 @@ class Engine:
                     s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens
                 )
         changed = self.scheduler.update(sched, result)
-        outputs = []
         for req in changed:
             outputs.append(self._process(req, result.logprobs.get(req.request_id)))
         return outputs
+
+    def _poll_connector(self) -> list[EngineOutput]:
+        for rid in self.connector.take_released():
+            self.scheduler.release_pinned(rid)
+        outputs = []
+        for res in self.connector.take_finished_loads():
+            reason = res.reason.value if res.reason is not None else None
+            detail = f"{reason}: {res.detail}" if res.detail else reason
+            ended = self.scheduler.finish_load(res.request_id, res.ok, detail)
+            if ended is not None and ended.request_id in self._requests:
+                outputs.append(self._final(ended))
+        return outputs
+
+    def _start_load(self, load: Any) -> None:
+        req = load.request
+        try:
+            self.connector.start_load(
+                req.request_id, req.kv_transfer_params, load.remote_block_ids, load.local_block_ids
+            )
+        except ValueError as exc:
+            # Nothing was started, so nothing writes the blocks: treat as a failed pull now.
+            self.scheduler.finish_load(req.request_id, False, f"invalid transfer: {exc}")
 
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
         token = req.output_token_ids[-1]
@@ -268,7 +303,12 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
-        if req.is_finished and req.status != RequestStatus.FINISHED_REMOTE_DECODE:
+        if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
+            params = self.connector.publish(
+                req.request_id, list(req.block_ids), req.num_prompt_tokens, token
+            )
+            out.kv_transfer_params = params.to_dict()
+        if req.is_finished:
             self._forget(req)
         return out
 

@@ -15,9 +15,9 @@ Pipeline, per row:
 3. Greedy rows (``SamplingParams.greedy``) take ``argmax``; ties go to the lowest token id.
 4. Other rows: divide by temperature, then top-k, top-p, min-p, and sample from what is left.
    Tokens tied with the k-th largest logit survive top-k. top-p keeps the smallest prefix of the
-   descending-probability order whose mass reaches ``top_p`` (at least one token), renormalized
-   after top-k. min-p drops tokens with probability < ``min_p * max_probability``, computed
-   after top-k and top-p.
+   descending-probability order whose mass reaches ``top_p`` (at least one token; equal
+   probabilities ordered by token id), renormalized after top-k. min-p drops tokens with
+   probability < ``min_p * max_probability``, computed after top-k and top-p.
 
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. picks token
 ``t`` with probability ``p[t]``. A row with a generator draws its ``V`` exponentials from that
@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -115,8 +114,9 @@ class Sampler:
         out_logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if logprobs_all is not None:
             lp_idx = [i for i, flag in enumerate(want_logprobs) if flag]
-            for i, entry in zip(lp_idx, _gather_logprobs(logprobs_all[lp_idx], tokens[lp_idx],
-                                                         [params[i] for i in lp_idx]), strict=True):
+            lp_params = [params[i] for i in lp_idx]
+            entries = _gather_logprobs(logprobs_all[lp_idx], tokens[lp_idx], lp_params)
+            for i, entry in zip(lp_idx, entries, strict=True):
                 out_logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
 
@@ -172,18 +172,19 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Mask filtered tokens of ``logits`` ``[R, V]`` to ``-inf``.
 
-    ``top_k`` ``[R]`` long in ``[1, V]`` (V disables), ``top_p`` ``[R]`` float in ``(0, 1]``
+    ``top_k`` ``[R]`` long in ``[0, V]`` (0 disables), ``top_p`` ``[R]`` float in ``(0, 1]``
     (1 disables); either may be None when no row uses it.
     """
     neg_inf = float("-inf")
     if top_p is None:
         if top_k is None:
             return logits
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
-        return logits.masked_fill(logits < kth, neg_inf)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+        # Without top-p no full sort is needed: the k-th value comes from topk(max k).
+        top = logits.topk(int(top_k.max()), dim=-1).values
+        return logits.masked_fill(logits < _kth_value(top, top_k), neg_inf)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        kth = _kth_value(sorted_logits, top_k)
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -193,6 +194,12 @@ def apply_top_k_top_p(
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _kth_value(descending: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]`` k-th largest value per row from descending-sorted values; -inf where k == 0."""
+    kth = descending.gather(1, (top_k.clamp(min=1) - 1).unsqueeze(1))
+    return kth.masked_fill((top_k == 0).unsqueeze(1), float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -212,7 +219,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
     top_k = top_p = None
     if any(p.top_k > 0 for p in params):
-        k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
         top_k = torch.tensor(k, dtype=torch.long).to(device)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)

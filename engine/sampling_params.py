@@ -95,7 +95,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
         if not isinstance(self.stop, list):
-            raise ValueError(f"stop must be a string or a list of strings, got {_type_name(self.stop)}")
+            raise ValueError(
+                f"stop must be a string or a list of strings, got {_type_name(self.stop)}"
+            )
         for i, s in enumerate(self.stop):
             if not isinstance(s, str):
                 raise ValueError(f"stop[{i}] must be a string, got {_type_name(s)}")

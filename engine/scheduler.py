@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tandem.engine.config import Role, SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.config import LoadFailurePolicy, Role, SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 
@@ -27,10 +27,21 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class LoadSpec:
+    """Decode role: pull remote_block_ids[i] of the prefill worker into local_block_ids[i]."""
+
+    request: Request
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # Decode role: KV pulls the engine must start through the connector.
+    loads: list[LoadSpec] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -106,7 +117,14 @@ class Scheduler:
         self.waiting.sort(key=self._key)
         admitted: list[Request] = []
         for req in self.waiting:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                break
+            if req.kv_transfer_params is not None:
+                if not self._admit_remote(req, out):
+                    break
+                admitted.append(req)
+                continue
+            if budget <= 0:
                 break
             if not self._leader_ready(req):
                 continue  # siblings of n > 1 wait for the shared prompt to be cached
@@ -129,6 +147,56 @@ class Scheduler:
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         return budget
+
+    def _admit_remote(self, req: Request, out: SchedulerOutput) -> bool:
+        """Allocate blocks for the prompt part the local prefix cache lacks and ask for a pull.
+
+        The request holds the prefill's first token as output 0, so num_tokens = prompt + 1 and
+        the prefix match can cover every full prompt block.
+        """
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        prompt_len = req.num_prompt_tokens
+        if not self.kv.allocate_slots(req, prompt_len - num_hit, hits, num_hit):
+            return False
+        first_missing = num_hit // self.kv.block_size
+        remote = list(req.kv_transfer_params.block_ids)
+        num_prompt_blocks = cdiv(prompt_len, self.kv.block_size)
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[req.request_id] = req
+        out.loads.append(
+            LoadSpec(req, remote[first_missing:], req.block_ids[first_missing:num_prompt_blocks])
+        )
+        return True
+
+    def finish_load(self, request_id: str, ok: bool, error: str | None) -> Request | None:
+        """Decode role: the connector finished (or gave up) pulling this request's KV.
+
+        Returns the request if it ended here (aborted before, or failed under policy FAIL).
+        """
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        if req.is_finished:  # aborted while the pull ran: only now may the blocks be reused
+            self.kv.free(req)
+            return req
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            return None
+        self.kv.free(req)
+        req.kv_transfer_params = None
+        req.num_computed_tokens = 0
+        if self.config.kv_load_failure_policy == LoadFailurePolicy.FAIL:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = f"KV transfer from the prefill worker failed: {error}"
+            return req
+        req.status = RequestStatus.WAITING
+        self.waiting.insert(0, req)
+        return None
 
     def _leader_ready(self, req: Request) -> bool:
         if req.group_index == 0:
@@ -209,11 +277,15 @@ class Scheduler:
                 self.kv.free(req)
                 req.status = status
                 done.append(req)
-        for rid in ids & (self.loading.keys() | self.pinned.keys()):
-            req = self.loading.pop(rid, None) or self.pinned.pop(rid)
-            self.kv.free(req)
+        for rid in ids & self.loading.keys():
+            # The connector may still be writing these blocks; finish_load frees them.
+            req = self.loading[rid]
             if not req.is_finished:
                 req.status = status
+                done.append(req)
+        for rid in ids & self.pinned.keys():
+            req = self.pinned.pop(rid)
+            self.kv.free(req)
             done.append(req)
         for req in done:
             if self._leaders.get(req.group_id) is req:

@@ -1,1 +1,42 @@
-"""Tandem kernels."""
+"""Tandem's Triton kernels, each beside its PyTorch reference (``*_ref``).
+
+Names resolve lazily so that ``import tandem.kernels`` does not import triton (an optional
+dependency on CPU-only installs) until a kernel is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "kv_cache_write": "kv_cache_write",
+    "kv_cache_write_ref": "kv_cache_write",
+    "paged_decode_attention": "decode_attention",
+    "paged_decode_attention_ref": "decode_attention",
+    "paged_extend_attention": "extend_attention",
+    "paged_extend_attention_ref": "extend_attention",
+    "rms_norm": "rms_norm",
+    "rms_norm_ref": "rms_norm",
+    "rotary_embedding": "rotary",
+    "rotary_embedding_ref": "rotary",
+    "compute_cos_sin_cache": "rope_cache",
+    "compute_inv_freq": "rope_cache",
+    "silu_and_mul": "activation",
+    "silu_and_mul_ref": "activation",
+    "greedy_sample": "sampling",
+    "greedy_sample_ref": "sampling",
+    "top_k_top_p_sample": "sampling",
+    "DecodeGraphRunner": "cuda_graph",
+    "GraphInput": "cuda_graph",
+    "capture_batch_sizes": "cuda_graph",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tandem.kernels.{module}"), name)

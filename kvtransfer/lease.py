@@ -83,9 +83,7 @@ class LeaseTable:
         lease.deadline = max(lease.deadline, now + lease.lease_seconds)
         return self._maybe_release(request_id, lease)
 
-    def release(
-        self, request_id: str, reason: FailureReason | None, now: float
-    ) -> list[Released]:
+    def release(self, request_id: str, reason: FailureReason | None, now: float) -> list[Released]:
         """Confirmation (reason None) or abort: release now, or once in-flight reads end."""
         lease = self._leases.get(request_id)
         if lease is None:

@@ -1,10 +1,10 @@
 """Side-channel wire protocol: message schema, version, limits and validation (pure functions).
 
 Every side-channel frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type>, ...}``.
-Decode (DEALER) sends HELLO, PULL, RENEW, RELEASE; prefill (ROUTER) answers HELLO_OK, PULL_DONE,
-ABORTED and ERROR. Nothing is ever unpickled: msgpack maps of plain scalars and lists only, with
-explicit per-field types and bounds. ``decode_message`` either returns a fully validated message
-or raises ``ProtocolError``; it never returns partially checked data.
+Decode (DEALER) sends HELLO, PULL, RENEW, RELEASE; prefill (ROUTER) answers HELLO_OK,
+PULL_ACCEPTED, PULL_DONE, ABORTED and ERROR. Nothing is ever unpickled: msgpack maps of plain
+scalars and lists only, with explicit per-field types and bounds. ``decode_message`` either
+returns a fully validated message or raises ``ProtocolError``; never partially checked data.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from enum import StrEnum
 from typing import Any
 
 import msgpack
-
 from tandem.kvtransfer.types import (
     COMPATIBLE_FIELDS,
     MAX_BLOCKS_PER_REQUEST,
@@ -34,6 +33,7 @@ class MsgType(StrEnum):
     HELLO = "hello"
     HELLO_OK = "hello_ok"
     PULL = "pull"
+    PULL_ACCEPTED = "pull_ok"
     PULL_DONE = "pull_done"
     RENEW = "renew"
     RELEASE = "release"
@@ -82,6 +82,14 @@ class Pull:
 
 
 @dataclass(frozen=True, slots=True)
+class PullAccepted:
+    """Prefill validated a PULL and is committed to send every segment (decode may post its
+    receives now: it never posts a receive that nobody will ever satisfy)."""
+
+    xfer_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class PullDone:
     xfer_id: int
     ok: bool
@@ -116,7 +124,7 @@ class Error:
     xfer_id: int | None
 
 
-Message = Hello | HelloOk | Pull | PullDone | Renew | Release | Aborted | Error
+Message = Hello | HelloOk | Pull | PullAccepted | PullDone | Renew | Release | Aborted | Error
 
 
 def _layout_wire(layout: KVLayout) -> dict[str, Any]:
@@ -128,31 +136,65 @@ def encode_message(msg: Message) -> bytes:
     body: dict[str, Any]
     match msg:
         case Hello():
-            body = {"t": MsgType.HELLO.value, "engine_id": msg.engine_id,
-                    "transport": msg.transport, "layout": _layout_wire(msg.layout)}
+            body = {
+                "t": MsgType.HELLO.value,
+                "engine_id": msg.engine_id,
+                "transport": msg.transport,
+                "layout": _layout_wire(msg.layout),
+            }
         case HelloOk():
-            body = {"t": MsgType.HELLO_OK.value, "engine_id": msg.engine_id,
-                    "transport": msg.transport, "layout": _layout_wire(msg.layout),
-                    "data_address": msg.data_address}
+            body = {
+                "t": MsgType.HELLO_OK.value,
+                "engine_id": msg.engine_id,
+                "transport": msg.transport,
+                "layout": _layout_wire(msg.layout),
+                "data_address": msg.data_address,
+            }
         case Pull():
-            body = {"t": MsgType.PULL.value, "engine_id": msg.engine_id,
-                    "request_id": msg.request_id, "xfer_id": msg.xfer_id,
-                    "segments": [list(s) for s in msg.segments]}
+            body = {
+                "t": MsgType.PULL.value,
+                "engine_id": msg.engine_id,
+                "request_id": msg.request_id,
+                "xfer_id": msg.xfer_id,
+                "segments": [list(s) for s in msg.segments],
+            }
+        case PullAccepted():
+            body = {"t": MsgType.PULL_ACCEPTED.value, "xfer_id": msg.xfer_id}
         case PullDone():
-            body = {"t": MsgType.PULL_DONE.value, "xfer_id": msg.xfer_id, "ok": msg.ok,
-                    "reason": msg.reason}
+            body = {
+                "t": MsgType.PULL_DONE.value,
+                "xfer_id": msg.xfer_id,
+                "ok": msg.ok,
+                "reason": msg.reason,
+            }
         case Renew():
-            body = {"t": MsgType.RENEW.value, "engine_id": msg.engine_id,
-                    "request_ids": list(msg.request_ids)}
+            body = {
+                "t": MsgType.RENEW.value,
+                "engine_id": msg.engine_id,
+                "request_ids": list(msg.request_ids),
+            }
         case Release():
-            body = {"t": MsgType.RELEASE.value, "engine_id": msg.engine_id,
-                    "request_id": msg.request_id, "kind": msg.kind.value}
+            body = {
+                "t": MsgType.RELEASE.value,
+                "engine_id": msg.engine_id,
+                "request_id": msg.request_id,
+                "kind": msg.kind.value,
+            }
         case Aborted():
-            body = {"t": MsgType.ABORTED.value, "engine_id": msg.engine_id,
-                    "request_id": msg.request_id, "reason": msg.reason}
+            body = {
+                "t": MsgType.ABORTED.value,
+                "engine_id": msg.engine_id,
+                "request_id": msg.request_id,
+                "reason": msg.reason,
+            }
         case Error():
-            body = {"t": MsgType.ERROR.value, "code": msg.code, "message": msg.message,
-                    "request_id": msg.request_id, "xfer_id": msg.xfer_id}
+            body = {
+                "t": MsgType.ERROR.value,
+                "code": msg.code,
+                "message": msg.message,
+                "request_id": msg.request_id,
+                "xfer_id": msg.xfer_id,
+            }
         case _:
             raise TypeError(f"not a protocol message: {type(msg).__name__}")
     body["v"] = PROTOCOL_VERSION
@@ -165,8 +207,9 @@ def _field(body: dict[str, Any], key: str) -> Any:
     return body[key]
 
 
-def _str(body: dict[str, Any], key: str, max_len: int = MAX_ID_LEN, *, nullable: bool = False
-         ) -> Any:
+def _str(
+    body: dict[str, Any], key: str, max_len: int = MAX_ID_LEN, *, nullable: bool = False
+) -> Any:
     value = _field(body, key)
     if value is None and nullable:
         return None
@@ -241,7 +284,6 @@ def decode_message(data: bytes) -> Message:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=MAX_MESSAGE_BYTES,
             max_bin_len=0,
             max_ext_len=0,
         )
@@ -261,19 +303,33 @@ def decode_message(data: bytes) -> Message:
         case MsgType.HELLO:
             return Hello(_str(body, "engine_id"), _transport(body), _layout(body))
         case MsgType.HELLO_OK:
-            return HelloOk(_str(body, "engine_id"), _transport(body), _layout(body),
-                           _str(body, "data_address", MAX_TEXT_LEN))
+            return HelloOk(
+                _str(body, "engine_id"),
+                _transport(body),
+                _layout(body),
+                _str(body, "data_address", MAX_TEXT_LEN),
+            )
         case MsgType.PULL:
-            return Pull(_str(body, "engine_id"), _str(body, "request_id"),
-                        _int(body, "xfer_id", 0, MAX_XFER_ID), _segments(body))
+            return Pull(
+                _str(body, "engine_id"),
+                _str(body, "request_id"),
+                _int(body, "xfer_id", 0, MAX_XFER_ID),
+                _segments(body),
+            )
+        case MsgType.PULL_ACCEPTED:
+            return PullAccepted(_int(body, "xfer_id", 0, MAX_XFER_ID))
         case MsgType.PULL_DONE:
-            return PullDone(_int(body, "xfer_id", 0, MAX_XFER_ID), _bool(body, "ok"),
-                            _str(body, "reason", MAX_TEXT_LEN, nullable=True))
+            return PullDone(
+                _int(body, "xfer_id", 0, MAX_XFER_ID),
+                _bool(body, "ok"),
+                _str(body, "reason", MAX_TEXT_LEN, nullable=True),
+            )
         case MsgType.RENEW:
             ids = _field(body, "request_ids")
             if not isinstance(ids, list) or len(ids) > MAX_RENEW_IDS:
-                raise ProtocolError("invalid_field", f"'request_ids' must be a list of at most "
-                                    f"{MAX_RENEW_IDS}")
+                raise ProtocolError(
+                    "invalid_field", f"'request_ids' must be a list of at most {MAX_RENEW_IDS}"
+                )
             for rid in ids:
                 if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN:
                     raise ProtocolError("invalid_field", "'request_ids' entries must be ids")
@@ -285,12 +341,18 @@ def decode_message(data: bytes) -> Message:
                 raise ProtocolError("invalid_field", "'kind' must be done|failed|aborted") from None
             return Release(_str(body, "engine_id"), _str(body, "request_id"), kind)
         case MsgType.ABORTED:
-            return Aborted(_str(body, "engine_id"), _str(body, "request_id"),
-                           _str(body, "reason", MAX_TEXT_LEN))
+            return Aborted(
+                _str(body, "engine_id"),
+                _str(body, "request_id"),
+                _str(body, "reason", MAX_TEXT_LEN),
+            )
         case MsgType.ERROR:
-            return Error(_str(body, "code", 64), _str(body, "message", MAX_TEXT_LEN),
-                         _str(body, "request_id", nullable=True),
-                         _int(body, "xfer_id", 0, MAX_XFER_ID, nullable=True))
+            return Error(
+                _str(body, "code", 64),
+                _str(body, "message", MAX_TEXT_LEN),
+                _str(body, "request_id", nullable=True),
+                _int(body, "xfer_id", 0, MAX_XFER_ID, nullable=True),
+            )
     raise AssertionError(mtype)  # pragma: no cover - the match is exhaustive
 
 

@@ -19,7 +19,6 @@ import msgpack
 import torch
 import zmq
 import zmq.asyncio
-
 from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
 
 log = logging.getLogger(__name__)
@@ -107,6 +106,7 @@ class _Waiter:
 
 class TcpRecvTransport:
     name = "tcp"
+    cancel_safe = True
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx
@@ -148,7 +148,7 @@ class TcpRecvTransport:
             log.warning("kv tcp data: oversized header dropped")
             return
         try:
-            header = msgpack.unpackb(frames[0].bytes, raw=False, max_buffer_size=_MAX_HEADER)
+            header = msgpack.unpackb(frames[0].bytes, raw=False)
             xfer_id, sizes = header["xfer_id"], header["sizes"]
         except Exception:
             log.warning("kv tcp data: malformed header dropped")
@@ -170,15 +170,21 @@ class TcpRecvTransport:
                 view.copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
         waiter.future.set_result(None)
 
-    async def recv(
-        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
-    ) -> None:
+    def expect(self, token: bytes, xfer_id: int, views: list[torch.Tensor]) -> None:
         if token not in self._socks:
             raise TransferError("tcp data channel of this peer is not connected")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[xfer_id] = _Waiter(views, future)
+
+    def forget(self, xfer_id: int) -> None:
+        self._waiters.pop(xfer_id, None)
+
+    async def wait(self, xfer_id: int, timeout: float) -> None:
+        waiter = self._waiters.get(xfer_id)
+        if waiter is None:
+            raise TransferError(f"transfer {xfer_id} is not expected")
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             raise TransferError("tcp transfer timed out") from None
         finally:

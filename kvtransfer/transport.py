@@ -44,9 +44,15 @@ class SendTransport(Protocol):
 
 
 class RecvTransport(Protocol):
-    """Decode side: pulls segments straight into the local block views."""
+    """Decode side: pulls segments straight into the local block views.
+
+    Per transfer: ``expect`` before sending the PULL, then either ``wait`` (after prefill
+    accepted) or ``forget`` (it refused). ``cancel_safe`` says whether cancelling ``wait`` stops
+    all writes at once (TCP copies on the loop) or whether posted receives must finish (UCX).
+    """
 
     name: str
+    cancel_safe: bool
 
     def new_xfer_id(self) -> int:
         """A transfer id unique among all transfers this process receives."""
@@ -54,11 +60,13 @@ class RecvTransport(Protocol):
 
     async def connect(self, data_address: str, token: bytes, timeout: float) -> None: ...
 
-    async def recv(
-        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
-    ) -> None:
-        """Fill views[i] with segment i of ``xfer_id``. Raises TransferError; in every outcome it
-        returns only when nothing will write to the views any more."""
+    def expect(self, token: bytes, xfer_id: int, views: list[torch.Tensor]) -> None: ...
+
+    def forget(self, xfer_id: int) -> None: ...
+
+    async def wait(self, xfer_id: int, timeout: float) -> None:
+        """Fill the expected views. Raises TransferError; in every outcome it returns only when
+        nothing will write to the views any more (unless cancelled and ``cancel_safe``)."""
         ...
 
     async def disconnect(self, token: bytes) -> None: ...

@@ -79,8 +79,13 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * (
-            self.element_size
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * (self.element_size)
         )
 
     @property
@@ -97,8 +102,10 @@ class KVLayout:
     @classmethod
     def from_kv_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-            raise ValueError(f"kv_cache must be [blocks, layers, 2, block, heads, dim], got "
-                             f"{tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be [blocks, layers, 2, block, heads, dim], got "
+                f"{tuple(kv_cache.shape)}"
+            )
         nb, nl, _, bs, nh, hd = kv_cache.shape
         return cls(nl, nh, hd, bs, dtype_name(kv_cache.dtype), nb)
 

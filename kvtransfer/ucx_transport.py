@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-
 from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
 
 log = logging.getLogger(__name__)
@@ -157,10 +156,12 @@ class UcxSendTransport:
 
 class UcxRecvTransport:
     name = "ucx"
+    cancel_safe = False
 
     def __init__(self, runtime: UcxRuntime) -> None:
         self._rt = runtime
-        self._eps: dict[bytes, Any] = {}
+        self._eps: dict[bytes, Any] = {}  # touched only on the UCX loop
+        self._expected: dict[int, tuple[bytes, list[torch.Tensor]]] = {}  # connector loop only
 
     def new_xfer_id(self) -> int:
         return self._rt.new_xfer_id()
@@ -169,9 +170,7 @@ class UcxRecvTransport:
         host, _, port = data_address.rpartition(":")
 
         async def go() -> None:
-            ep = await asyncio.wait_for(
-                self._rt.ucxx.create_endpoint(host, int(port)), timeout
-            )
+            ep = await asyncio.wait_for(self._rt.ucxx.create_endpoint(host, int(port)), timeout)
             ack = np.zeros(1, dtype=np.uint8)
             try:
                 await ep.send(np.frombuffer(token, dtype=np.uint8))
@@ -188,9 +187,18 @@ class UcxRecvTransport:
         except Exception as exc:
             raise TransferError(f"ucx connect to {data_address} failed: {exc!r}") from None
 
-    async def recv(
-        self, token: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
-    ) -> None:
+    def expect(self, token: bytes, xfer_id: int, views: list[torch.Tensor]) -> None:
+        self._expected[xfer_id] = (token, views)
+
+    def forget(self, xfer_id: int) -> None:
+        self._expected.pop(xfer_id, None)
+
+    async def wait(self, xfer_id: int, timeout: float) -> None:
+        entry = self._expected.pop(xfer_id, None)
+        if entry is None:
+            raise TransferError(f"transfer {xfer_id} is not expected")
+        token, views = entry
+
         async def go() -> None:
             ep = self._eps.get(token)
             if ep is None or ep.closed:

@@ -168,6 +168,7 @@ class Decision:
             "signal": None if self.signal is None else self.signal.name.lower(),
             "latencyTargetSeconds": policy.latency_target,
         }
+        out["metrics"] = None
         if self.signals is not None:
             s = self.signals
             out["metrics"] = {

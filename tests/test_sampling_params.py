@@ -2,7 +2,6 @@ import json
 
 import msgpack
 import pytest
-
 from tandem.engine.sampling_params import SamplingParams
 
 

@@ -207,6 +207,19 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _inline_chat_template(out)
+    _add_legacy_config_keys(out)
+
+
+def _add_legacy_config_keys(out: Path) -> None:
+    """Adds the pre-5.0 spellings (top-level rope_theta, torch_dtype) that transformers 4.x and
+    hand-written loaders read; transformers 5 reads rope_parameters and dtype, and accepts both."""
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    if "rope_theta" not in config:
+        config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    if "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _inline_chat_template(out: Path) -> None:

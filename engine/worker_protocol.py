@@ -1,0 +1,81 @@
+"""Validation of the worker's internal generate request (docs/internal-api.md). Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_LEN = 256
+MAX_PROMPT_TOKENS = 1 << 20
+_KEYS = {"request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params",
+         "remote_decode", "priority"}
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    remote_decode: bool
+    priority: int
+
+
+class BadRequest(ValueError):
+    """A malformed internal request; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_generate_request(body: Any) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = set(body) - _KEYS
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    rid = body.get("request_id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
+        raise BadRequest("request_id must be a non-empty string", "request_id")
+    ids = body.get("prompt_token_ids")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or len(ids) > MAX_PROMPT_TOKENS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise BadRequest(
+            "prompt_token_ids must be a non-empty list of non-negative integers",
+            "prompt_token_ids",
+        )
+    try:
+        params = SamplingParams.from_dict(body.get("sampling_params") or {})
+    except ValueError as exc:
+        raise BadRequest(str(exc), "sampling_params") from None
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise BadRequest("kv_transfer_params must be an object or null", "kv_transfer_params")
+    remote_decode = body.get("remote_decode", False)
+    if not isinstance(remote_decode, bool):
+        raise BadRequest("remote_decode must be a boolean", "remote_decode")
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise BadRequest("priority must be an integer", "priority")
+    if kv is not None and remote_decode:
+        raise BadRequest("a request cannot both carry and produce kv_transfer_params")
+    if (kv is not None or remote_decode) and params.n != 1:
+        raise BadRequest("disaggregated requests take n = 1; the router fans out", "n")
+    return GenerateRequest(rid, ids, params, kv, remote_decode, priority)
+
+
+def logprobs_to_wire(lp: TokenLogprobs) -> dict[str, Any]:
+    return {
+        "token_id": lp.token_id,
+        "logprob": lp.logprob,
+        "rank": lp.rank,
+        "top": [[t, v] for t, v in lp.top],
+    }

@@ -1,0 +1,74 @@
+"""``create_connector``: the one entry point the worker services use."""
+
+from __future__ import annotations
+
+import torch
+import zmq.asyncio
+from tandem.kvtransfer.connector import Role, ZmqKVConnector
+from tandem.kvtransfer.metrics import KVTransferMetrics
+from tandem.kvtransfer.tcp_transport import TcpRecvTransport, TcpSendTransport
+from tandem.kvtransfer.types import KVLayout
+
+DEFAULT_LEASE_SECONDS = 10.0
+DEFAULT_TRANSFER_TIMEOUT = 30.0
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
+
+
+def create_connector(
+    transport: str,
+    layout: KVLayout,
+    kv_cache: torch.Tensor,
+    role: str,
+    host: str = "127.0.0.1",
+    side_channel_port: int = 0,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    metrics: KVTransferMetrics | None = None,
+    transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+) -> ZmqKVConnector:
+    """Build a started connector; its side channel listens when ``role`` is prefill or both.
+
+    ``transport`` is ``"ucx"`` (ucxx; TCP/shared-memory/CUDA transports as UCX_TLS allows) or
+    ``"tcp"`` (pyzmq). The caller owns the connector and must ``close()`` it; ``kv_cache`` stays
+    the caller's and must outlive it. Each construction gets a fresh ``engine_id``.
+    """
+    try:
+        role_enum = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}[role]
+    except KeyError:
+        raise ValueError(f"role must be prefill, decode or both, got {role!r}") from None
+    if not 0 < lease_seconds <= 3600:
+        raise ValueError("lease_seconds must be in (0, 3600]")
+    if transfer_timeout <= 0 or handshake_timeout <= 0:
+        raise ValueError("timeouts must be positive")
+    zctx = zmq.asyncio.Context.instance()
+    wants_send = role_enum in (Role.PREFILL, Role.BOTH)
+    wants_recv = role_enum in (Role.DECODE, Role.BOTH)
+    if transport == "tcp":
+        send = TcpSendTransport(zctx) if wants_send else None
+        recv = TcpRecvTransport(zctx) if wants_recv else None
+    elif transport == "ucx":
+        from tandem.kvtransfer.ucx_transport import (
+            UcxRecvTransport,
+            UcxRuntime,
+            UcxSendTransport,
+        )
+
+        runtime = UcxRuntime.get()
+        send = UcxSendTransport(runtime) if wants_send else None
+        recv = UcxRecvTransport(runtime) if wants_recv else None
+    else:
+        raise ValueError(f"transport must be ucx or tcp, got {transport!r}")
+    return ZmqKVConnector(
+        layout=layout,
+        kv_cache=kv_cache,
+        role=role_enum,
+        send=send,
+        recv=recv,
+        zctx=zctx,
+        host=host,
+        side_channel_port=side_channel_port,
+        lease_seconds=lease_seconds,
+        metrics=metrics,
+        transfer_timeout=transfer_timeout,
+        handshake_timeout=handshake_timeout,
+    )

@@ -1,0 +1,310 @@
+"""Kopf handlers for TandemService: thin wiring from Kopf's events to the reconciler.
+
+`build_registry(config)` is called once by the CLI; the registry's startup handler creates the
+Kubernetes client and the HTTP session for metrics (kept in the registry's closure, together
+with the per-object locks), and the cleanup handler closes them.
+
+Every path (create, update, resume, the resync timer, events of children) ends in
+`Controller.reconcile`, which re-reads the TandemService, so a stale event body cannot roll
+back a newer autoscaling decision. One lock per object serializes the passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from tandem.operator.autoscaler import Decision, Pool, PoolState, decide
+from tandem.operator.children import (
+    GROUP,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+    Owner,
+    Replicas,
+    render_children,
+    router_url,
+)
+from tandem.operator.kube import KubeAPIError, KubeClient, object_path
+from tandem.operator.reconcile import (
+    Action,
+    ChildConflictError,
+    apply_children,
+    delete_children,
+    is_subset,
+    list_pods,
+    read_pools,
+)
+from tandem.operator.scaling import (
+    autoscaling_status,
+    effective_replicas,
+    memory_from_status,
+    policies,
+)
+from tandem.operator.signals import DirectSource, PrometheusSource, SignalSource
+from tandem.operator.spec import MetricsSource, SpecError, TandemServiceSpec, parse_spec
+from tandem.operator.status import DegradedReason, Problem, build_status
+
+FINALIZER = "tandem.dev/finalizer"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Operator-wide settings from the command line."""
+
+    resync_seconds: float = 10.0
+    scrape_timeout_seconds: float = 3.0
+
+
+def _now_text() -> str:
+    now = datetime.datetime.now(tz=datetime.UTC)
+    return now.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _login() -> kopf.ConnectionInfo:
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise kopf.LoginError("no service account and no kubeconfig to log in with")
+    return info
+
+
+class ObjectState:
+    """Per-TandemService state kept in its Kopf memo: the lock and the metrics source."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.source: SignalSource | None = None
+        self.source_key: tuple[Any, ...] | None = None
+        self.last_autoscale: float | None = None
+        self.last_reasons: dict[Pool, str] = {}
+
+
+class Controller:
+    """Reconciles TandemServices; owns nothing (the client and session belong to the memo)."""
+
+    def __init__(self, client: KubeClient, http: aiohttp.ClientSession, cfg: OperatorConfig):
+        self.client = client
+        self.http = http
+        self.cfg = cfg
+
+    async def fetch(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self.client.get(object_path(f"{GROUP}/{VERSION}", KIND, namespace, name))
+
+    async def patch_status(self, body: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        path = object_path(f"{GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"], "status")
+        await self.client.merge_patch(path, {"status": dict(patch)})
+
+    async def reconcile(
+        self, namespace: str, name: str, state: ObjectState, autoscale: bool = False
+    ) -> None:
+        async with state.lock:
+            body = await self.fetch(namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            spec = await self._apply(body)
+            if autoscale and spec is not None and spec.autoscaling.enabled:
+                await self._autoscale(body, spec, state)
+
+    async def _apply(self, body: dict[str, Any]) -> TandemServiceSpec | None:
+        meta = body["metadata"]
+        owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        status = body.get("status") or {}
+        problem: Problem | None = None
+        spec: TandemServiceSpec | None = None
+        actions: dict[str, Action] = {}
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError as exc:
+            problem = Problem(DegradedReason.INVALID_SPEC, str(exc))
+        if spec is not None:
+            children = render_children(owner, spec, effective_replicas(spec, status))
+            try:
+                actions = await apply_children(self.client, owner, children)
+            except ChildConflictError as exc:
+                problem = Problem(DegradedReason.CHILD_CONFLICT, str(exc))
+            except KubeAPIError as exc:
+                if exc.status not in (400, 403, 422):
+                    raise
+                problem = Problem(DegradedReason.APPLY_FAILED, str(exc))
+        for key, action in actions.items():
+            if action is not Action.UNCHANGED:
+                kopf.info(body, reason=f"Child{action.name.capitalize()}", message=key)
+        previous = {c.get("type"): c for c in status.get("conditions") or []}
+        if problem is not None and previous.get("Degraded", {}).get("message") != problem.message:
+            kopf.warn(body, reason=problem.reason.camel, message=problem.message)
+        pools = await read_pools(self.client, owner)
+        endpoint = router_url(owner, spec) if spec is not None else status.get("endpoint")
+        new = build_status(
+            meta.get("generation"),
+            pools,
+            endpoint,
+            problem,
+            status.get("conditions") or [],
+            _now_text(),
+        )
+        if not is_subset(new, status):
+            await self.patch_status(body, new)
+        return spec if problem is None else None
+
+    def _source(self, spec: TandemServiceSpec, state: ObjectState, body: Mapping) -> SignalSource:
+        a = spec.autoscaling
+        key = (a.metrics, a.warmup_seconds)
+        if state.source is None or state.source_key != key:
+            meta = body["metadata"]
+            if a.metrics.source is MetricsSource.PROMETHEUS:
+                selector = a.metrics.selector.format(
+                    namespace=meta["namespace"], name=meta["name"]
+                )
+                state.source = PrometheusSource(
+                    a.metrics.prometheus_url, selector, a.metrics.window_seconds, a.warmup_seconds
+                )
+            else:
+                state.source = DirectSource(a.warmup_seconds, self.cfg.scrape_timeout_seconds)
+            state.source_key = key
+        return state.source
+
+    async def _autoscale(
+        self, body: dict[str, Any], spec: TandemServiceSpec, state: ObjectState
+    ) -> None:
+        now = time.time()
+        interval = spec.autoscaling.interval_seconds
+        if state.last_autoscale is not None and now - state.last_autoscale < interval - 0.5:
+            return
+        state.last_autoscale = now
+        meta = body["metadata"]
+        owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        status = body.get("status") or {}
+        source = self._source(spec, state, body)
+        moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
+        pods = await list_pods(self.client, owner, spec, moment)
+        signals = await source.collect(self.http, pods, now)
+        pools = await read_pools(self.client, owner)
+        pols = policies(spec)
+        decisions: dict[Pool, Decision] = {}
+        for pool in (Pool.PREFILL, Pool.DECODE):
+            live = pools.get(pool.label)
+            if live is None:
+                continue
+            decisions[pool] = decide(
+                pool,
+                PoolState(current=live.replicas, ready=live.ready),
+                signals.get(pool),
+                memory_from_status(status, pool),
+                pols[pool],
+                now,
+            )
+        if not decisions:
+            return
+        patch = {"autoscaling": autoscaling_status(decisions, pols, status, now)}
+        await self.patch_status(body, patch)
+        for pool, decision in decisions.items():
+            reason = decision.reason.camel
+            if decision.changed or state.last_reasons.get(pool) != reason:
+                kind = "ScaledPool" if decision.changed else "AutoscalerHolding"
+                kopf.info(body, reason=kind, message=decision.message(pols[pool]))
+            state.last_reasons[pool] = reason
+        if any(d.changed for d in decisions.values()):
+            current = effective_replicas(spec, status)
+            replicas = Replicas(
+                prefill=decisions[Pool.PREFILL].desired
+                if Pool.PREFILL in decisions
+                else current.prefill,
+                decode=decisions[Pool.DECODE].desired
+                if Pool.DECODE in decisions
+                else current.decode,
+            )
+            await apply_children(self.client, owner, render_children(owner, spec, replicas))
+
+
+def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
+    """All of the operator's handlers, registered on a fresh registry (no module globals)."""
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+    owned_labels = {"app.kubernetes.io/managed-by": MANAGED_BY}
+    shared: dict[str, Controller] = {}
+    states: dict[tuple[str, str], ObjectState] = {}
+
+    def object_state(namespace: str, name: str) -> ObjectState:
+        return states.setdefault((namespace, name), ObjectState())
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return _login()
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration"
+        )
+        # Only warnings become Kubernetes Events through the logger; decisions are posted
+        # explicitly.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        client = KubeClient(_login)
+        http = aiohttp.ClientSession()
+        shared["controller"] = Controller(client, http, cfg)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        controller = shared.pop("controller", None)
+        if controller is not None:
+            await controller.client.close()
+            await controller.http.close()
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, registry=registry)
+    async def apply(name: str, namespace: str, **_: Any) -> None:
+        await shared["controller"].reconcile(namespace, name, object_state(namespace, name))
+
+    @kopf.timer(*resource, interval=cfg.resync_seconds, registry=registry)
+    async def resync(name: str, namespace: str, **_: Any) -> None:
+        state = object_state(namespace, name)
+        await shared["controller"].reconcile(namespace, name, state, autoscale=True)
+
+    @kopf.on.delete(*resource, registry=registry)
+    async def delete(name: str, namespace: str, uid: str, body: kopf.Body, **_: Any) -> None:
+        controller = shared["controller"]
+        state = states.pop((namespace, name), None) or ObjectState()
+        async with state.lock:
+            deleted = await delete_children(controller.client, Owner(name, namespace, uid))
+        if deleted:
+            kopf.info(body, reason="ChildrenDeleted", message=", ".join(deleted))
+
+    async def child_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+        controller = shared.get("controller")
+        if controller is None:
+            return
+        for ref in body.get("metadata", {}).get("ownerReferences") or []:
+            if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+                await controller.reconcile(namespace, ref["name"], object_state(namespace, ref["name"]))
+
+    for group, version, plural in (
+        ("apps", "v1", "deployments"),
+        ("", "v1", "services"),
+        ("", "v1", "configmaps"),
+    ):
+        kopf.on.event(
+            group=group,
+            version=version,
+            plural=plural,
+            id=f"child-{plural}",
+            labels=owned_labels,
+            registry=registry,
+        )(child_changed)
+    return registry

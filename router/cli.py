@@ -1,0 +1,84 @@
+"""``tandem router``: serve the router app with uvicorn. ``main(argv) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tandem.router.placement import Policy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible router")
+    p.add_argument("--model", default="demo", help="served model: 'demo' or a local HF directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="prefix-aware",
+                   choices=[pol.label for pol in Policy])  # fmt: skip
+    p.add_argument(
+        "--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+        help="decode prefills locally when the uncached prompt is shorter (0: always remote)",
+    )  # fmt: skip
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="required bearer key (or TANDEM_API_KEY)")
+    keys.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file (a mounted Secret) or TANDEM_API_KEY, in that order."""
+    if args.api_key:
+        return (args.api_key,)
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        keys = tuple(k.strip() for k in lines if k.strip())
+        if not keys:
+            raise ValueError(f"API key file {args.api_key_file} holds no key")
+        return keys
+    env = os.environ.get("TANDEM_API_KEY", "").strip()
+    return (env,) if env else ()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.local_prefill_threshold < 0:
+        print("--local-prefill-threshold must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        keys = api_keys_from(args)
+    except (OSError, ValueError) as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from tandem.router.app import RouterConfig, create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = RouterConfig(
+        model=args.model,
+        model_path=args.tokenizer,
+        policy=Policy.parse(args.policy),
+        local_prefill_threshold=args.local_prefill_threshold,
+        api_keys=keys,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+    uvicorn.run(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,48 @@
+"""The `tandem` command: one entry point, subcommands imported lazily (the operator needs no torch).
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: tandem <command> [options]
+
+commands:
+  up         run router + prefill + decode workers locally (the demo model by default)
+  router     the OpenAI-compatible router
+  prefill    a prefill worker
+  decode     a decode worker
+  colocated  a worker that prefills and decodes (no disaggregation)
+  operator   the Kubernetes operator
+
+`tandem <command> --help` for its options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("prefill", "decode", "colocated"):
+        from tandem.engine.worker_cli import main as worker_main
+
+        return worker_main(cmd, rest)
+    if cmd == "router":
+        from tandem.router.cli import main as router_main
+
+        return router_main(rest)
+    if cmd == "up":
+        from tandem.up import main as up_main
+
+        return up_main(rest)
+    if cmd == "operator":
+        from tandem.operator.cli import main as operator_main
+
+        return operator_main(rest)
+    print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

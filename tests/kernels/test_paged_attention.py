@@ -1,0 +1,197 @@
+"""KV cache write, paged decode attention and paged extend attention against their references,
+on strided layer views of a block-major cache filled with random data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from tandem.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from tandem.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
+from tandem.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
+
+NUM_LAYERS = 2
+LAYER = 1
+ATOL = 2e-6
+RTOL = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+# GQA ratios 1, 4 and 8 (the last also MQA), head dims 64/80/96/128, block sizes 16 and 32; the
+# group of 3 with head dim 96 covers a non-power-of-two group.
+HEADS = [
+    Heads(4, 4, 64, 16),
+    Heads(8, 2, 80, 32),
+    Heads(8, 1, 128, 16),
+    Heads(6, 2, 96, 32),
+]
+HEADS_IDS = [f"hq{h.num_heads}-hkv{h.num_kv_heads}-d{h.head_dim}-bs{h.block_size}" for h in HEADS]
+
+
+def make_kv_cache(heads: Heads, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    shape = (num_blocks, NUM_LAYERS, 2, heads.block_size, heads.num_kv_heads, heads.head_dim)
+    return torch.randn(shape, generator=gen)
+
+
+def make_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Disjoint random blocks per sequence, in shuffled order; unused entries 0."""
+    need = [-(-n // block_size) for n in seq_lens]
+    width = max(need) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    assert sum(need) <= num_blocks
+    table = torch.zeros((len(seq_lens), width), dtype=torch.int32)
+    used = 0
+    for i, count in enumerate(need):
+        table[i, :count] = perm[used : used + count]
+        used += count
+    return table
+
+
+def slots_for(block_table: torch.Tensor, positions: range, block_size: int) -> list[int]:
+    return [int(block_table[p // block_size]) * block_size + p % block_size for p in positions]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kv_cache_write_scatters_into_strided_views_and_skips_padding(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    heads = Heads(8, 2, 80, block_size)
+    kv_cache = make_kv_cache(heads, num_blocks=6, gen=gen)
+    expected = kv_cache.clone()
+    # k and v are strided views of a fused projection output, like the model produces.
+    qkv = torch.randn((7, heads.num_heads + 2 * heads.num_kv_heads, heads.head_dim), generator=gen)
+    k = qkv[:, heads.num_heads : heads.num_heads + 2]
+    v = qkv[:, heads.num_heads + 2 :]
+    last = 6 * block_size - 1
+    slots = torch.tensor([0, -1, block_size - 1, block_size, 3 * block_size + 5, last, -1])
+
+    kv_cache_write(k, v, kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], slots)
+    kv_cache_write_ref(k, v, expected[:, LAYER, 0], expected[:, LAYER, 1], slots)
+
+    assert torch.equal(kv_cache, expected)
+    assert torch.equal(kv_cache[5, LAYER, 1, block_size - 1], v[5])
+    assert torch.equal(kv_cache[:, 0], expected[:, 0])  # the other layer is untouched
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
+def test_paged_decode_attention_matches_reference(heads: Heads, poisoned_alloc: None) -> None:
+    gen = torch.Generator().manual_seed(heads.head_dim + heads.num_heads)
+    # One token, block boundaries either side, a multi-block sequence, and a padded row (len 0).
+    seq_lens = [1, 15, 16, 17, 32, 33, 70, 0]
+    num_blocks = 24
+    kv_cache = make_kv_cache(heads, num_blocks, gen)
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    block_tables = make_block_tables(seq_lens, heads.block_size, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn((len(seq_lens), heads.num_heads, heads.head_dim), generator=gen)
+    scale = heads.head_dim**-0.5
+
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
+    assert torch.equal(expected[-1], torch.zeros_like(expected[-1]))
+    # 1 split, 3 splits (some empty for short rows) and more splits than any row has tiles.
+    for num_splits, block_n in ((1, 32), (3, 16), (8, 32)):
+        out = paged_decode_attention(
+            q, k_cache, v_cache, block_tables, lens, scale, num_splits=num_splits, block_n=block_n
+        )
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    context_len: int  # tokens already cached
+    query_len: int  # new tokens this step
+
+
+# A first prompt token alone, a whole prompt ending on a block boundary, a prefix-cache hit of
+# exactly one block, a chunk straddling boundaries, a decode row in a mixed batch, a long chunk.
+CHUNKS = [Chunk(0, 1), Chunk(0, 17), Chunk(16, 16), Chunk(15, 18), Chunk(32, 1), Chunk(1, 32)]
+
+
+def pack_chunks(chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    seq_lens = [c.context_len + c.query_len for c in chunks]
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c.query_len)
+    return (
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens,
+    )
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
+def test_paged_extend_attention_matches_reference(heads: Heads) -> None:
+    gen = torch.Generator().manual_seed(heads.head_dim * 7 + heads.num_kv_heads)
+    query_start_loc, lens, seq_lens = pack_chunks(CHUNKS)
+    num_blocks = 24
+    kv_cache = make_kv_cache(heads, num_blocks, gen)
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    block_tables = make_block_tables(seq_lens, heads.block_size, num_blocks, gen)
+    num_query = int(query_start_loc[-1])
+    pad_rows = 3
+    q = torch.randn((num_query + pad_rows, heads.num_heads, heads.head_dim), generator=gen)
+    max_query_len = max(c.query_len for c in CHUNKS)
+    scale = heads.head_dim**-0.5
+
+    expected = paged_extend_attention_ref(
+        q, k_cache, v_cache, block_tables, query_start_loc, lens, scale
+    )
+    # Interpreter-sized tiles, then CUDA-sized ones (several query tiles per chunk vs one).
+    for block_m, block_n in ((16, 16), (64, 32)):
+        out = torch.full_like(q, float("nan"))
+        paged_extend_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, lens, max_query_len, scale,
+            out=out, block_m=block_m, block_n=block_n,
+        )  # fmt: skip
+        torch.testing.assert_close(out[:num_query], expected[:num_query], atol=ATOL, rtol=RTOL)
+        assert out[num_query:].isnan().all()  # rows past the batch are never written
+
+
+def test_extend_of_decode_rows_equals_decode_kernel() -> None:
+    """A decode batch through the extend kernel (mixed-batch path) agrees with the decode kernel."""
+    heads = Heads(8, 2, 64, 16)
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [33, 1, 16]
+    kv_cache = make_kv_cache(heads, 10, gen)
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    block_tables = make_block_tables(seq_lens, heads.block_size, 10, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn((3, heads.num_heads, heads.head_dim), generator=gen)
+    starts = torch.arange(4, dtype=torch.int32)
+    via_extend = paged_extend_attention(q, k_cache, v_cache, block_tables, starts, lens, 1, 0.125)
+    via_decode = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
+    torch.testing.assert_close(via_extend, via_decode, atol=ATOL, rtol=RTOL)
+
+
+def test_wrappers_reject_bad_input_without_writing() -> None:
+    heads = Heads(6, 4, 64, 16)  # 6 query heads are not a multiple of 4 KV heads
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = make_kv_cache(heads, 4, gen)
+    before = kv_cache.clone()
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    q = torch.randn((2, 6, 64), generator=gen)
+    tables = torch.zeros((2, 2), dtype=torch.int32)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention(q[:, :4].double(), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(q[:, :4], k_cache, v_cache, tables, lens[:1], 1.0)
+    k = torch.randn((2, 4, 64), generator=gen)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kv_cache_write(k, k, k_cache, v_cache, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="dtype"):
+        kv_cache_write(k.half(), k.half(), k_cache, v_cache, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_extend_attention(q[:, :4], k_cache, v_cache, tables, lens, lens, 2, 1.0)
+    assert torch.equal(kv_cache, before)

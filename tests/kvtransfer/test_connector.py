@@ -1,0 +1,300 @@
+"""Connector end to end in one process (threads and loops): transfers, leases, aborts, faults."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+import zmq
+from kvt_helpers import SMALL, Collector, wait_until
+from prometheus_client import CollectorRegistry
+from tandem.kvtransfer import FailureReason, KVLayout, create_kv_transfer_metrics
+from tandem.kvtransfer import protocol as p
+
+TRANSPORTS = ["tcp", "ucx"]
+
+
+def assert_copied(
+    src: torch.Tensor, dst: torch.Tensor, remote: list[int], local: list[int]
+) -> None:
+    for r, loc in zip(remote, local, strict=True):
+        assert torch.equal(dst[loc].view(torch.uint8), src[r].view(torch.uint8)), (r, loc)
+    untouched = sorted(set(range(dst.shape[0])) - set(local))
+    assert not dst[untouched].view(torch.uint8).any(), "a block outside the request was written"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partial_noncontiguous_pull_is_bit_exact(make, transport: str) -> None:
+    registry = CollectorRegistry()
+    metrics = create_kv_transfer_metrics(registry, "demo", "decode")
+    pre = make(transport, "prefill", seed=1)
+    dec = make(transport, "decode", metrics=metrics)
+    pc, dc = Collector(pre), Collector(dec)
+    params = pre.publish("req", [7, 8, 9, 2, 40, 41, 63], num_tokens=110, first_token_id=5)
+    assert params.engine_id == pre.engine_id and params.side_channel == pre.side_channel_address
+    # decode's prefix cache already holds the first block: it pulls the other six
+    remote, local = [8, 9, 2, 40, 41, 63], [0, 1, 5, 20, 21, 3]
+    dec.start_load("d-req", params, remote, local)
+    result = dc.load("d-req")
+    assert (result.ok, result.reason) == (True, None)
+    assert_copied(pre.kv_cache, dec.kv_cache, remote, local)
+    pc.release("req")
+    nbytes = registry.get_sample_value(
+        "tandem_kv_transfer_bytes_total",
+        {"model": "demo", "role": "decode", "direction": "recv", "transport": transport},
+    )
+    assert nbytes == 6 * SMALL.block_bytes
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_prefills_two_decodes_concurrently(make, transport: str) -> None:
+    pres = [make(transport, "prefill", seed=10 + i) for i in range(2)]
+    decs = [make(transport, "decode") for _ in range(2)]
+    dcs = [Collector(d) for d in decs]
+    plans = []
+    for i in range(8):
+        pre, dec = pres[i % 2], decs[(i // 2) % 2]
+        remote = [(i * 7 + k * 3) % 64 for k in range(4)]
+        local = [i * 4 + k for k in range(4)][::-1]
+        params = pre.publish(f"r{i}", remote, 64, i)
+        dec.start_load(f"d{i}", params, remote, local)
+        plans.append((pre, dec, remote, local))
+    for i, (pre, dec, remote, local) in enumerate(plans):
+        result = dcs[(i // 2) % 2].load(f"d{i}")
+        assert result.ok, result
+        for r, loc in zip(remote, local, strict=True):
+            assert torch.equal(dec.kv_cache[loc], pre.kv_cache[r])
+    for pre in pres:
+        pc = Collector(pre)
+        for i in range(8):
+            if plans[i][0] is pre:
+                pc.release(f"r{i}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_full_local_hit_just_releases(make, transport: str) -> None:
+    pre, dec = make(transport, "prefill", seed=2), make(transport, "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    params = pre.publish("req", [1, 2], 32, 9)
+    dec.start_load("d", params, [], [])
+    assert dc.load("d").ok
+    pc.release("req")
+    assert not dec.kv_cache.view(torch.uint8).any()
+
+
+def test_lease_expires_when_decode_never_pulls(make) -> None:
+    registry = CollectorRegistry()
+    metrics = create_kv_transfer_metrics(registry, "demo", "prefill")
+    pre = make("tcp", "prefill", lease_seconds=0.3, metrics=metrics)
+    pc = Collector(pre)
+    pre.publish("forgotten", [1, 2, 3], 48, 1)
+    pre.publish("also", [4], 16, 1)
+    pc.release("forgotten", timeout=5.0)
+    pc.release("also", timeout=5.0)
+    assert (
+        registry.get_sample_value(
+            "tandem_kv_transfer_failures_total",
+            {"model": "demo", "role": "prefill", "reason": "lease_expired"},
+        )
+        == 2
+    )
+
+
+def test_decode_renews_lease_while_load_pending(make) -> None:
+    # decode keeps a load pending behind a slow handshake-free path: renewals must keep
+    # prefill's short lease alive across several lease lengths.
+    pre = make("tcp", "prefill", seed=3, lease_seconds=0.4)
+    dec = make("tcp", "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    warm = pre.publish("warm", [0], 16, 1)
+    dec.start_load("d-warm", warm, [0], [0])
+    assert dc.load("d-warm").ok
+    params = pre.publish("held", [5], 16, 1)
+    peer = dec._peers[params.side_channel]
+    load_started = wait_until(lambda: peer.engine_id, what="handshake")
+    assert load_started
+    # register a pending load without pulling: only renewals can keep "held" alive
+    from tandem.kvtransfer.connector import _Load
+
+    fake = _Load("d-held", params, [])
+    dec._loop.call_soon_threadsafe(peer.loads.__setitem__, "held", fake)
+    deadline = __import__("time").monotonic() + 1.5
+    while __import__("time").monotonic() < deadline:
+        pc.poll()
+        assert "held" not in pc.released
+    dec._loop.call_soon_threadsafe(peer.loads.pop, "held")
+    pc.release("held", timeout=5.0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_on_prefill_releases_and_fails_later_pull(make, transport: str) -> None:
+    pre, dec = make(transport, "prefill", seed=4), make(transport, "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    params = pre.publish("req", [1, 2], 32, 9)
+    pre.abort("req")
+    pc.poll()
+    assert pc.released == ["req"]
+    dec.start_load("d", params, [1, 2], [3, 4])
+    result = dc.load("d")
+    assert (result.ok, result.reason) == (False, FailureReason.UNKNOWN_REQUEST)
+    assert not dec.kv_cache.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_on_decode_reports_and_releases_prefill(make, transport: str) -> None:
+    pre, dec = make(transport, "prefill", seed=5), make(transport, "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    params = pre.publish("req", [1, 2], 32, 9)
+    dec.start_load("d", params, [1, 2], [3, 4])
+    dec.abort("d")
+    result = dc.load("d")
+    assert (result.ok, result.reason) == (False, FailureReason.ABORTED)
+    pc.release("req")
+
+
+@pytest.mark.parametrize(
+    ("other", "field"),
+    [
+        (KVLayout(4, 2, 64, 32, "float32", 64), "block_size"),
+        (KVLayout(4, 2, 64, 16, "float16", 64), "dtype"),
+        (KVLayout(4, 4, 64, 16, "float32", 64), "num_kv_heads"),
+    ],
+)
+def test_layout_mismatch_refused_at_handshake(make, other: KVLayout, field: str) -> None:
+    pre, dec = make("tcp", "prefill", seed=6), make("tcp", "decode", layout=other)
+    dc = Collector(dec)
+    params = pre.publish("req", [1], 16, 9)
+    dec.start_load("d", params, [1], [1])
+    result = dc.load("d")
+    assert (result.ok, result.reason) == (False, FailureReason.LAYOUT_MISMATCH)
+    assert field in result.detail and "KV layout mismatch" in result.detail
+
+
+def test_restarted_prefill_is_detected_as_stale(make) -> None:
+    old = make("tcp", "prefill", seed=7)
+    params = old.publish("req", [1], 16, 9)
+    port = int(params.side_channel.rsplit(":", 1)[1])
+    old.close()
+    new = make("tcp", "prefill", seed=8, side_channel_port=port)
+    assert new.side_channel_address == params.side_channel and new.engine_id != old.engine_id
+    new.publish("req", [1], 16, 9)  # same request id on the successor: must not be served
+    dec = make("tcp", "decode")
+    dc = Collector(dec)
+    dec.start_load("d", params, [1], [1])
+    result = dc.load("d")
+    assert (result.ok, result.reason) == (False, FailureReason.STALE_ENGINE)
+    assert not dec.kv_cache.view(torch.uint8).any()
+
+
+def test_dead_peer_does_not_block_others(make) -> None:
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        pre = make("tcp", "prefill", seed=9)
+        dec = make("tcp", "decode", handshake_timeout=1.0)
+        dc = Collector(dec)
+        ghost = pre.publish("ghost", [3], 16, 1).to_dict()
+        ghost["side_channel"] = f"tcp://127.0.0.1:{port}"
+        from tandem.kvtransfer import KVTransferParams
+
+        dec.start_load("d-ghost", KVTransferParams.from_dict(ghost), [3], [3])
+        params = pre.publish("real", [4, 5], 32, 1)
+        dec.start_load("d-real", params, [4, 5], [10, 11])
+        assert dc.load("d-real", timeout=5.0).ok
+        assert "d-ghost" not in dc.loads  # still waiting on the dead peer
+        assert torch.equal(dec.kv_cache[10:12], pre.kv_cache[4:6])
+        ghost_result = dc.load("d-ghost", timeout=5.0)
+        assert (ghost_result.ok, ghost_result.reason) == (False, FailureReason.HANDSHAKE)
+    finally:
+        silent.close(linger=0)
+
+
+class RawPeer:
+    """A hostile or buggy decode speaking raw frames to a prefill side channel."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"R" * 16)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def ask(self, data: bytes) -> p.Message:
+        self.sock.send(data)
+        assert self.sock.poll(5000), "no answer"
+        return p.decode_message(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_side_channel_input_rejected_while_real_transfer_completes(
+    make, transport: str
+) -> None:
+    registry = CollectorRegistry()
+    metrics = create_kv_transfer_metrics(registry, "demo", "prefill")
+    pre = make(transport, "prefill", seed=11, metrics=metrics)
+    dec = make(transport, "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    victim = pre.publish("victim", [20, 21, 22], 48, 1)
+    raw = RawPeer(pre.side_channel_address)
+    try:
+        eid = pre.engine_id
+        cases = [
+            (b"\xc1garbage", "malformed"),
+            (msgpack.packb({"v": 99, "t": "hello"}), "version"),
+            (msgpack.packb({"v": 1, "t": "gimme"}), "unknown_type"),
+            (p.encode_message(p.Pull(eid, "victim", 1, ((20, 3),))), "no_handshake"),
+        ]
+        for data, code in cases:
+            reply = raw.ask(data)
+            assert isinstance(reply, p.Error) and reply.code == code, reply
+        hello = raw.ask(p.encode_message(p.Hello("raw", transport, SMALL)))
+        assert isinstance(hello, p.HelloOk) and hello.engine_id == eid
+        cases = [
+            (p.Pull(eid, "nobody", 2, ((20, 3),)), "unknown_request"),
+            (p.Pull(eid, "victim", 3, ((60, 10),)), "invalid_request"),  # out of range
+            (p.Pull(eid, "victim", 4, ((19, 2),)), "invalid_request"),  # not the request's
+            (p.Pull("someone-else", "victim", 5, ((20, 1),)), "stale_engine"),
+            (p.Release("someone-else", "victim", p.ReleaseKind.DONE), "stale_engine"),
+        ]
+        for msg, code in cases:
+            reply = raw.ask(p.encode_message(msg))
+            assert isinstance(reply, p.Error) and reply.code == code, reply
+        # an oversized frame: zmq drops it and disconnects that peer only
+        raw.sock.send(b"\x00" * (p.MAX_MESSAGE_BYTES + 10))
+        dec.start_load("d", victim, [20, 21, 22], [1, 2, 3])
+        assert dc.load("d").ok
+        for r, loc in ((20, 1), (21, 2), (22, 3)):
+            assert torch.equal(dec.kv_cache[loc], pre.kv_cache[r])
+        pc.release("victim")
+        bad = registry.get_sample_value(
+            "tandem_kv_transfer_failures_total",
+            {"model": "demo", "role": "prefill", "reason": "bad_message"},
+        )
+        assert bad == 3
+    finally:
+        raw.close()
+
+
+def test_start_load_bad_arguments_change_nothing(make) -> None:
+    pre, dec = make("tcp", "prefill", seed=12), make("tcp", "decode")
+    params = pre.publish("req", [1, 2], 32, 9)
+    with pytest.raises(ValueError, match="subset"):
+        dec.start_load("d", params, [1, 3], [1, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        dec.start_load("d", params, [1, 2], [1, 64])
+    with pytest.raises(ValueError, match="length"):
+        dec.start_load("d", params, [1, 2], [1])
+    with pytest.raises(ValueError, match="repeat"):
+        dec.start_load("d", params, [1, 2], [5, 5])
+    with pytest.raises(ValueError, match="out of range"):
+        pre.publish("other", [64], 16, 1)
+    with pytest.raises(ValueError, match="already published"):
+        pre.publish("req", [3], 16, 1)
+    assert dec.take_finished_loads() == [] and pre.take_released() == []
+    with pytest.raises(RuntimeError):
+        dec.publish("x", [1], 16, 1)
+    with pytest.raises(RuntimeError):
+        pre.start_load("x", params, [1], [1])
