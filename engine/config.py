@@ -58,6 +58,11 @@ class SchedulerConfig:
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
 
     def __post_init__(self) -> None:
+        # Accept the names users type ("decode", "fail"); store the enums.
+        object.__setattr__(self, "role", Role.parse(self.role))
+        object.__setattr__(
+            self, "kv_load_failure_policy", LoadFailurePolicy.parse(self.kv_load_failure_policy)
+        )
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

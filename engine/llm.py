@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tandem.engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import Engine
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -47,8 +47,6 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     groups: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, EngineConfig: {}}
     names = {cls: {f.name for f in fields(cls)} for cls in groups}
     for key, value in options.items():
-        if key == "role":
-            value = Role.parse(value)
         for cls in (SchedulerConfig, CacheConfig, EngineConfig):
             if key in names[cls] and key not in ("scheduler", "cache"):
                 groups[cls][key] = value

@@ -95,7 +95,11 @@ class _Peer:
     hello: asyncio.Future[p.HelloOk]  # the prefill's answer (set by the reader)
     ready: asyncio.Future[p.HelloOk]  # answer checked and data channel connected
     engine_id: str | None = None
-    waiters: dict[int, asyncio.Future[p.Message]] = field(default_factory=dict)
+    # per transfer: (answer to PULL, PULL_DONE); both registered up front since replies can
+    # arrive before the load's coroutine resumes
+    waiters: dict[int, tuple[asyncio.Future[p.Message], asyncio.Future[p.Message]]] = field(
+        default_factory=dict
+    )
     loads: dict[str, _Load] = field(default_factory=dict)  # by remote request id
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     closed: bool = False
@@ -574,7 +578,7 @@ class ZmqKVConnector:
         views = [block_bytes_view(self._kv, loc, n) for _, loc, n in load.runs]
         accepted: asyncio.Future[p.Message] = self._loop.create_future()
         done: asyncio.Future[p.Message] = self._loop.create_future()
-        peer.waiters[xfer] = accepted
+        peer.waiters[xfer] = (accepted, done)
         try:
             recv.expect(peer.token, xfer, views)
         except TransferError as exc:
@@ -595,7 +599,6 @@ class ZmqKVConnector:
             except TimeoutError:
                 raise LoadFailure(FailureReason.TIMEOUT, "prefill did not answer PULL") from None
             _raise_for_reply(reply)
-            peer.waiters[xfer] = done
             load.receiving = True
             waiting = asyncio.ensure_future(recv.wait(xfer, self._transfer_timeout))
             if recv.cancel_safe:
@@ -720,14 +723,14 @@ class ZmqKVConnector:
                     )
                 else:
                     self._set_future(peer.hello, msg)
-            case p.PullAccepted() | p.PullDone():
-                waiter = peer.waiters.get(msg.xfer_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(msg)
-            case p.Error() if msg.xfer_id is not None:
-                waiter = peer.waiters.get(msg.xfer_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(msg)
+            case p.PullAccepted() | p.PullDone() | p.Error() if msg.xfer_id is not None:
+                futures = peer.waiters.get(msg.xfer_id, ())
+                if isinstance(msg, p.PullDone):
+                    futures = futures[1:]
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_result(msg)
+                        break
             case p.Error():
                 log.warning("kv side channel: %s says %s: %s", peer.address, msg.code, msg.message)
                 if not peer.hello.done():
@@ -775,9 +778,10 @@ class ZmqKVConnector:
         self._set_future(peer.ready, failure)
         for load in list(peer.loads.values()):
             self._interrupt(load, failure)
-        for waiter in peer.waiters.values():
-            if not waiter.done():
-                waiter.set_result(p.Error(failure.reason.value, failure.detail, None, None))
+        for futures in peer.waiters.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(p.Error(failure.reason.value, failure.detail, None, None))
         current = asyncio.current_task()
         for task in peer.tasks:
             if task is not current:

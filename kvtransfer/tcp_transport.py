@@ -153,8 +153,8 @@ class TcpRecvTransport:
         except Exception:
             log.warning("kv tcp data: malformed header dropped")
             return
-        waiter = self._waiters.pop(xfer_id, None) if type(xfer_id) is int else None
-        if waiter is None:
+        waiter = self._waiters.get(xfer_id) if type(xfer_id) is int else None
+        if waiter is None or waiter.future.done():
             log.warning("kv tcp data: transfer %r is unknown or cancelled; dropped", xfer_id)
             return
         expected = [v.numel() for v in waiter.views]

@@ -183,9 +183,7 @@ class Decision:
         return out
 
 
-def load_ratio(
-    pool: Pool, signals: PoolSignals, policy: PoolPolicy
-) -> tuple[float, Signal | None]:
+def load_ratio(pool: Pool, signals: PoolSignals, policy: PoolPolicy) -> tuple[float, Signal | None]:
     """The largest of the pool's demand-to-target ratios and which signal it came from."""
     candidates: list[tuple[float, Signal]] = []
     if signals.latency_p90 is not None:

@@ -237,7 +237,10 @@ def _deployment(
             volumes.append(
                 {
                     "name": "model",
-                    "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only},
+                    "persistentVolumeClaim": {
+                        "claimName": pvc.claim_name,
+                        "readOnly": pvc.read_only,
+                    },
                 }
             )
             mounts.append({"name": "model", "mountPath": pvc.mount_path, "readOnly": pvc.read_only})
@@ -250,7 +253,10 @@ def _deployment(
         # The router loads the tokenizer (chat template) from the same model directory.
         pvc = spec.model.pvc
         volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True},
+            }
         )
         mounts.append({"name": "model", "mountPath": pvc.mount_path, "readOnly": True})
     container: dict[str, Any] = {
@@ -315,9 +321,7 @@ def render_service(owner: Owner, spec: TandemServiceSpec, pool: str) -> dict[str
     port = {"router": spec.router.port, "prefill": spec.prefill.port, "decode": spec.decode.port}
     service_spec: dict[str, Any] = {
         "selector": selector_labels(owner.name, pool),
-        "ports": [
-            {"name": "http", "port": port[pool], "targetPort": "http", "protocol": "TCP"}
-        ],
+        "ports": [{"name": "http", "port": port[pool], "targetPort": "http", "protocol": "TCP"}],
     }
     if pool == "router":
         service_spec["type"] = spec.router.service_type

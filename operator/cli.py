@@ -11,7 +11,6 @@ import asyncio
 import logging
 
 import kopf
-
 from tandem.operator.handlers import OperatorConfig, build_registry
 
 
@@ -28,9 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="namespace to watch (repeatable; glob patterns allowed)",
     )
-    scope.add_argument(
-        "-A", "--all-namespaces", action="store_true", help="watch every namespace"
-    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument(
         "--standalone",
         action="store_true",
@@ -49,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="timeout of one /metrics scrape in the direct metrics source (default 3)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="serve the operator's own metrics on this port (0 disables; default 8081)",
+    )
+    parser.add_argument(
         "--liveness",
         default=None,
         metavar="URL",
@@ -63,6 +66,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.resync_seconds <= 0 or args.scrape_timeout_seconds <= 0:
         build_parser().error("--resync-seconds and --scrape-timeout-seconds must be > 0")
+    if not 0 <= args.metrics_port <= 65535:
+        build_parser().error("--metrics-port must be in 0..65535")
     if not args.namespace and not args.all_namespaces:
         build_parser().error("give --namespace NS (repeatable) or --all-namespaces")
     logging.basicConfig(
@@ -70,7 +75,9 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     cfg = OperatorConfig(
-        resync_seconds=args.resync_seconds, scrape_timeout_seconds=args.scrape_timeout_seconds
+        resync_seconds=args.resync_seconds,
+        scrape_timeout_seconds=args.scrape_timeout_seconds,
+        metrics_port=args.metrics_port or None,
     )
     registry = build_registry(cfg)
     asyncio.run(

@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 import kopf
-
 from tandem.operator.autoscaler import Decision, Pool, PoolState, decide
 from tandem.operator.children import (
     GROUP,
@@ -35,6 +34,7 @@ from tandem.operator.children import (
     router_url,
 )
 from tandem.operator.kube import KubeAPIError, KubeClient, object_path
+from tandem.operator.opmetrics import OperatorMetrics
 from tandem.operator.reconcile import (
     Action,
     ChildConflictError,
@@ -63,6 +63,8 @@ class OperatorConfig:
 
     resync_seconds: float = 10.0
     scrape_timeout_seconds: float = 3.0
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # None: no /metrics endpoint
 
 
 def _now_text() -> str:
@@ -94,10 +96,17 @@ class ObjectState:
 class Controller:
     """Reconciles TandemServices; owns nothing (the client and session belong to the memo)."""
 
-    def __init__(self, client: KubeClient, http: aiohttp.ClientSession, cfg: OperatorConfig):
+    def __init__(
+        self,
+        client: KubeClient,
+        http: aiohttp.ClientSession,
+        cfg: OperatorConfig,
+        metrics: OperatorMetrics,
+    ) -> None:
         self.client = client
         self.http = http
         self.cfg = cfg
+        self.metrics = metrics
 
     async def fetch(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.client.get(object_path(f"{GROUP}/{VERSION}", KIND, namespace, name))
@@ -146,6 +155,8 @@ class Controller:
         if problem is not None and previous.get("Degraded", {}).get("message") != problem.message:
             kopf.warn(body, reason=problem.reason.camel, message=problem.message)
         pools = await read_pools(self.client, owner)
+        self.metrics.record_pools(owner.namespace, owner.name, pools)
+        self.metrics.reconciles.labels("ok" if problem is None else "degraded").inc()
         endpoint = router_url(owner, spec) if spec is not None else status.get("endpoint")
         new = build_status(
             meta.get("generation"),
@@ -165,9 +176,7 @@ class Controller:
         if state.source is None or state.source_key != key:
             meta = body["metadata"]
             if a.metrics.source is MetricsSource.PROMETHEUS:
-                selector = a.metrics.selector.format(
-                    namespace=meta["namespace"], name=meta["name"]
-                )
+                selector = a.metrics.selector.format(namespace=meta["namespace"], name=meta["name"])
                 state.source = PrometheusSource(
                     a.metrics.prometheus_url, selector, a.metrics.window_seconds, a.warmup_seconds
                 )
@@ -211,6 +220,7 @@ class Controller:
         patch = {"autoscaling": autoscaling_status(decisions, pols, status, now)}
         await self.patch_status(body, patch)
         for pool, decision in decisions.items():
+            self.metrics.record_decision(owner.namespace, owner.name, decision)
             reason = decision.reason.camel
             if decision.changed or state.last_reasons.get(pool) != reason:
                 kind = "ScaledPool" if decision.changed else "AutoscalerHolding"
@@ -234,7 +244,8 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     resource = (GROUP, VERSION, PLURAL)
     owned_labels = {"app.kubernetes.io/managed-by": MANAGED_BY}
-    shared: dict[str, Controller] = {}
+    shared: dict[str, Any] = {}
+    metrics = OperatorMetrics()
     states: dict[tuple[str, str], ObjectState] = {}
 
     def object_state(namespace: str, name: str) -> ObjectState:
@@ -257,7 +268,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         settings.watching.server_timeout = 300
         client = KubeClient(_login)
         http = aiohttp.ClientSession()
-        shared["controller"] = Controller(client, http, cfg)
+        shared["controller"] = Controller(client, http, cfg, metrics)
+        if cfg.metrics_port is not None:
+            shared["metrics_runner"] = await metrics.serve(cfg.metrics_host, cfg.metrics_port)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
@@ -265,6 +278,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         if controller is not None:
             await controller.client.close()
             await controller.http.close()
+        runner = shared.pop("metrics_runner", None)
+        if runner is not None:
+            await runner.cleanup()
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
@@ -283,6 +299,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         state = states.pop((namespace, name), None) or ObjectState()
         async with state.lock:
             deleted = await delete_children(controller.client, Owner(name, namespace, uid))
+        metrics.forget(namespace, name)
         if deleted:
             kopf.info(body, reason="ChildrenDeleted", message=", ".join(deleted))
 
@@ -292,7 +309,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             return
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
-                await controller.reconcile(namespace, ref["name"], object_state(namespace, ref["name"]))
+                await controller.reconcile(
+                    namespace, ref["name"], object_state(namespace, ref["name"])
+                )
 
     for group, version, plural in (
         ("apps", "v1", "deployments"),

@@ -168,8 +168,9 @@ class KubeClient:
         """Delete one object (background propagation); False if it was already gone."""
         try:
             await self.request(
-                "DELETE", path, {"kind": "DeleteOptions", "apiVersion": "v1",
-                                 "propagationPolicy": "Background"}
+                "DELETE",
+                path,
+                {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
             )
         except KubeAPIError as exc:
             if exc.status == 404:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
-
 from tandem.operator.autoscaler import Pool, PoolSignals
 from tandem.operator.promtext import (
     ExpositionError,
@@ -104,7 +103,11 @@ class DirectSource:
             if p.ip is not None and (p.warm(self._warmup) or (p.pool == "router" and p.ready))
         ]
         snaps = await asyncio.gather(*(self._scrape(session, p) for p in targets))
-        pairs: dict[str, list[tuple[_Scrape, _Scrape]]] = {"router": [], "prefill": [], "decode": []}
+        pairs: dict[str, list[tuple[_Scrape, _Scrape]]] = {
+            "router": [],
+            "prefill": [],
+            "decode": [],
+        }
         fresh: dict[str, _Scrape] = {}
         current: dict[str, list[Snapshot]] = {"router": [], "prefill": [], "decode": []}
         for pod, snap in zip(targets, snaps, strict=True):
@@ -165,9 +168,7 @@ def _selector(base: str, extra: Sequence[str]) -> str:
     return "{" + ",".join([base, *extra]) + "}"
 
 
-def promql_queries(
-    selector: str, window_seconds: int, cold_pods: Sequence[str]
-) -> dict[str, str]:
+def promql_queries(selector: str, window_seconds: int, cold_pods: Sequence[str]) -> dict[str, str]:
     """The PromQL the Prometheus source runs; `selector` is label matchers without braces.
 
     Worker gauges exclude pods still warming up by name (the pod label that PodMonitor adds).
@@ -184,10 +185,7 @@ def promql_queries(
     routes = sel('route=~"/v1/(chat/)?completions"')
 
     def quantile(histogram: str) -> str:
-        return (
-            f"histogram_quantile({QUANTILE}, sum by (le) "
-            f"(rate({histogram}_bucket{sel()}[{w}])))"
-        )
+        return f"histogram_quantile({QUANTILE}, sum by (le) (rate({histogram}_bucket{sel()}[{w}])))"
 
     return {
         "ttft_p90": quantile(TTFT),

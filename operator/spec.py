@@ -15,6 +15,8 @@ from enum import IntEnum
 from typing import Any
 
 DEFAULT_IMAGE = "ghcr.io/tandem-llm/tandem:0.1.0"
+# PromQL label matchers that select one service's series; {namespace} and {name} expand.
+DEFAULT_SELECTOR = 'namespace="{namespace}",tandem_service="{name}"'
 ROUTER_POLICIES = ("prefix-aware", "least-load", "round-robin")
 TRANSPORTS = ("ucx", "tcp")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -96,8 +98,7 @@ class MetricsSpec:
     source: MetricsSource = MetricsSource.DIRECT
     prometheus_url: str = ""
     window_seconds: int = 60
-    # PromQL label matchers that select this service's series; {namespace} and {name} expand.
-    selector: str = 'namespace="{namespace}",tandem_service="{name}"'
+    selector: str = DEFAULT_SELECTOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +228,7 @@ def _metrics(raw: Mapping[str, Any], where: str) -> MetricsSpec:
         source=source,
         prometheus_url=url.rstrip("/"),
         window_seconds=_int(raw, "windowSeconds", 60, where, minimum=10),
-        selector=_str(raw, "selector", MetricsSpec.selector, where),
+        selector=_str(raw, "selector", DEFAULT_SELECTOR, where),
     )
 
 

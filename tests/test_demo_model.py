@@ -6,10 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
 import tandem.engine.demo as demo
+import torch
 from tandem.engine.demo import task
 from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
 from tandem.engine.demo.train import (
@@ -21,6 +19,7 @@ from tandem.engine.demo.train import (
     lr_at,
     training_inputs,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 ROUND_TRIP_TEXTS = [
     "hello, world! 123",
@@ -89,9 +88,10 @@ def test_encode_example_masks_prompt() -> None:
     assert ids == tok.encode(task.raw_prompt("ab")) + [ord("b"), ord("a"), tok.eos_token_id]
     assert labels == [IGNORE_INDEX] * prompt_len + [ord("b"), ord("a"), tok.eos_token_id]
     batch = collate([encode_example(tok, "ab"), encode_example(tok, "abcd")], tok.pad_token_id)
-    assert batch.input_ids.shape == (2, prompt_len + 2 + 3)
-    assert batch.input_ids[0, -2:].tolist() == [tok.pad_token_id] * 2
-    assert batch.labels[0, -2:].tolist() == [IGNORE_INDEX] * 2
+    # "abcd" has 2 more prompt tokens and 2 more answer tokens than "ab", so row 0 gets 4 pads.
+    assert batch.input_ids.shape == (2, prompt_len + 3 + 4)
+    assert batch.input_ids[0].tolist() == ids + [tok.pad_token_id] * 4
+    assert batch.labels[0].tolist() == labels + [IGNORE_INDEX] * 4
 
 
 def test_lr_schedule() -> None:

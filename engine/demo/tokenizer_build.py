@@ -8,10 +8,6 @@ no unknown token. Called by train.py, which saves the result next to the weights
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
-
 from tandem.engine.demo.task import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
@@ -21,6 +17,9 @@ from tandem.engine.demo.task import (
     SYSTEM_TOKEN,
     USER_TOKEN,
 )
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
 
 NUM_BYTES = 256
 VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)

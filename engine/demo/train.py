@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
-
 from tandem.engine.demo import task
 from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 DEFAULT_OUT = Path(__file__).resolve().parent / "weights"
@@ -34,9 +33,9 @@ class TrainConfig:
     """Hyperparameters of one training run (defaults produce the bundled weights)."""
 
     seed: int = 0
-    steps: int = 1500
+    steps: int = 1000
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 100
     weight_decay: float = 0.01
@@ -139,7 +138,9 @@ def train(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausa
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = collate([encode_example(tokenizer, s) for s in next(batches)], tokenizer.pad_token_id)
+        batch = collate(
+            [encode_example(tokenizer, s) for s in next(batches)], tokenizer.pad_token_id
+        )
         loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -167,10 +168,15 @@ def greedy_answers(
 ) -> list[str]:
     """Greedy completions of raw_prompt(s), decoded up to (not including) the EOS token."""
     answers: list[str] = []
-    tokenizer.padding_side = "left"
     for i in range(0, len(inputs), batch_size):
         chunk = [task.raw_prompt(s) for s in inputs[i : i + batch_size]]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(
+            chunk,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        )
         out = model.generate(
             **enc,
             do_sample=False,
@@ -179,23 +185,25 @@ def greedy_answers(
             pad_token_id=tokenizer.pad_token_id,
         )
         for row in out[:, enc["input_ids"].shape[1] :].tolist():
-            answers.append(tokenizer.decode(_until_eos(row, tokenizer.eos_token_id, True)))
+            answers.append(tokenizer.decode(_until_eos(row, tokenizer.eos_token_id)))
     return answers
 
 
-def _until_eos(ids: list[int], eos_id: int, keep_missing_marker: bool) -> list[int]:
-    """Ids before the first EOS; without an EOS, the ids plus a marker that fails any comparison."""
+def _until_eos(ids: list[int], eos_id: int) -> list[int]:
+    """Ids before the first EOS; without one, all ids plus the EOS itself, which decodes to the
+    EOS text so that a right answer missing its EOS never compares equal to the expected one."""
     if eos_id in ids:
         return ids[: ids.index(eos_id)]
-    return ids + [eos_id] if keep_missing_marker else ids
+    return ids + [eos_id]
 
 
-def accuracy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, inputs: Sequence[str]) -> float:
+def accuracy(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, inputs: Sequence[str]
+) -> float:
     """Fraction of inputs whose greedy answer is exactly the reversed string followed by EOS."""
     answers = greedy_answers(model, tokenizer, inputs)
-    return sum(a == task.expected_answer(s) for s, a in zip(inputs, answers, strict=True)) / len(
-        inputs
-    )
+    correct = sum(a == task.expected_answer(s) for s, a in zip(inputs, answers, strict=True))
+    return correct / len(inputs)
 
 
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:

@@ -19,7 +19,7 @@ def make() -> Iterator[Callable[..., ZmqKVConnector]]:
         transport: str, role: str, layout: KVLayout = SMALL, seed: int | None = None, **kw: Any
     ) -> ZmqKVConnector:
         kw.setdefault("transfer_timeout", 5.0)
-        kw.setdefault("handshake_timeout", 2.0)
+        kw.setdefault("handshake_timeout", 5.0)
         conn = create_connector(transport, layout, kv_cache(layout, seed), role, **kw)
         made.append(conn)
         return conn

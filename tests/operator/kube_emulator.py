@@ -74,6 +74,8 @@ class StampingEmulator(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if request.namespace and not meta.get("namespace"):
                 meta["namespace"] = request.namespace
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta["uid"] = str(uuid.uuid4())
             meta["resourceVersion"] = str(next(self._versions))
             meta["generation"] = 1
@@ -129,9 +131,7 @@ class StampingEmulator(kmock.KubernetesEmulator):
         # ...and calls the core group version "/v1" instead of "v1".
         result["groupVersion"] = result["groupVersion"].lstrip("/")
         result["resources"] = [
-            {**r, "singularName": "", "shortNames": [], "categories": []}
-            if "/" in r["name"]
-            else r
+            {**r, "singularName": "", "shortNames": [], "categories": []} if "/" in r["name"] else r
             for r in result.get("resources", [])
         ]
         return result
@@ -224,5 +224,5 @@ class EmulatorThread:
         assert self.emulator is not None
         return [
             (str(r.method.value), str(r.url.path_qs), r.headers.get("User-Agent", ""))
-            for r in self.emulator.requests
+            for r in list(self.emulator)
         ]

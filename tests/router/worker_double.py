@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tandem.engine.hashing import HASH_ALGORITHM, hash_block_tokens
+from tandem.router.tokenizer import _bytes_to_unicode
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -35,8 +36,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(out_dir: Path) -> Path:
     """A byte-level tokenizer (256 byte tokens + specials) with a chat template, saved in HF form."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}  # token id == byte value
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

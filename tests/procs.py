@@ -1,0 +1,75 @@
+"""Start tandem processes for end-to-end tests and wait on conditions (never bare sleeps)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Proc:
+    """A `tandem ...` subprocess with its log in a file; stop() kills its whole process group."""
+
+    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(log_dir),  # never the repo root: operator/ would shadow the stdlib
+            start_new_session=True,
+        )
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_healthy(url: str, proc: Proc, timeout: float = 90.0) -> None:
+    def ok() -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"process exited:\n{proc.log_tail()}")
+        try:
+            return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ok, timeout, f"{url}/health")

@@ -1,0 +1,178 @@
+"""Prefill -> decode over the KV connector, at the engine level: parity, prefix reuse, faults."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.engine import Engine, EngineOutput
+from tandem.engine.llm import build_engine_config
+from tandem.engine.worker_app import build_requests
+from tandem.engine.worker_protocol import parse_generate_request
+from tandem.kvtransfer.factory import create_connector
+from tandem.kvtransfer.types import KVLayout
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+NUM_BLOCKS = 64
+
+
+def make_engine(path: Path, role: str, transport: str, lease: float = 10.0, **opts: Any) -> Engine:
+    engine = Engine(build_engine_config(str(path), num_blocks=NUM_BLOCKS, role=role, **opts))
+    kv = engine.runner.kv_cache
+    engine.connector = create_connector(
+        transport, KVLayout.from_kv_cache(kv), kv, role, lease_seconds=lease
+    )
+    return engine
+
+
+@pytest.fixture(params=["ucx", "tcp"])
+def pair(request: pytest.FixtureRequest, llama_gqa_path: Path) -> Iterator[tuple[Engine, Engine]]:
+    p = make_engine(llama_gqa_path, "prefill", request.param)
+    d = make_engine(llama_gqa_path, "decode", request.param)
+    yield p, d
+    p.connector.close()
+    d.connector.close()
+
+
+def submit(engine: Engine, rid: str, prompt: list[int], **fields: Any) -> None:
+    body = {"request_id": rid, "prompt_token_ids": prompt, "sampling_params": GREEDY, **fields}
+    build_requests(engine, parse_generate_request(body))
+
+
+def run_until(
+    engines: list[Engine], done: Callable[[], bool], sink: Callable[[EngineOutput], None],
+    timeout: float = 30.0,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        for e in engines:
+            for out in e.step():
+                sink(out)
+        time.sleep(0.0005)
+
+
+def prefill(p: Engine, prompts: dict[str, list[int]]) -> dict[str, EngineOutput]:
+    finals: dict[str, EngineOutput] = {}
+    for rid, prompt in prompts.items():
+        submit(p, rid, prompt, remote_decode=True)
+    run_until([p], lambda: not p.has_unfinished, lambda o: finals.__setitem__(o.request_id, o))
+    return finals
+
+
+def disagg(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    firsts = prefill(p, prompts)
+    tokens = {rid: list(o.new_token_ids) for rid, o in firsts.items()}
+    for rid, prompt in prompts.items():
+        assert firsts[rid].finish_reason == "remote_decode"
+        submit(d, rid, prompt, kv_transfer_params=firsts[rid].kv_transfer_params)
+
+    outs: list[EngineOutput] = []
+    run_until([d, p], lambda: not d.has_unfinished and not p.scheduler.pinned, outs.append)
+    for o in outs:
+        assert o.error is None, o.error
+        tokens[o.request_id] += o.new_token_ids
+    return tokens
+
+
+def prompts_of(seed: int, lengths: tuple[int, ...]) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(300) for _ in range(n)] for i, n in enumerate(lengths)}
+
+
+def colocated(path: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    outs = LLM(str(path), num_blocks=NUM_BLOCKS).generate(
+        list(prompts.values()), SamplingParams(**GREEDY)
+    )
+    return {rid: o.token_ids for rid, o in zip(prompts, outs, strict=True)}
+
+
+def test_disaggregated_equals_colocated(pair: tuple[Engine, Engine], llama_gqa_path: Path) -> None:
+    p, d = pair
+    prompts = prompts_of(0, (1, 5, 15, 16, 17, 33, 40))
+    assert disagg(p, d, prompts) == colocated(llama_gqa_path, prompts)
+    for e in (p, d):
+        e.check_integrity()
+        assert e.pool.num_free_blocks == NUM_BLOCKS
+
+
+def test_decode_pulls_only_what_its_prefix_cache_lacks(
+    pair: tuple[Engine, Engine], llama_gqa_path: Path
+) -> None:
+    p, d = pair
+    pulled: list[int] = []
+    start_load = d.connector.start_load
+
+    def spy(rid: str, params: Any, remote: list[int], local: list[int]) -> None:
+        pulled.append(len(remote))
+        start_load(rid, params, remote, local)
+
+    d.connector.start_load = spy  # type: ignore[method-assign]
+    rng = random.Random(5)
+    prefix = [rng.randrange(300) for _ in range(48)]
+    first = {"a": prefix + [1, 2, 3]}
+    second = {"b": prefix + [7, 8, 9, 10, 11]}
+    got = disagg(p, d, first)
+    got.update(disagg(p, d, second))
+    assert pulled == [4, 1]  # 51 tokens = 4 blocks; then 3 full blocks hit locally
+    expected = colocated(llama_gqa_path, {**first, **second})
+    assert got == expected
+    d.check_integrity()
+    p.check_integrity()
+
+
+def test_prefill_releases_blocks_when_decode_never_pulls(llama_gqa_path: Path) -> None:
+    p = make_engine(llama_gqa_path, "prefill", "tcp", lease=0.3)
+    try:
+        prefill(p, prompts_of(1, (40,)))
+        assert p.pool.num_free_blocks < NUM_BLOCKS  # pinned for the decode worker
+        run_until([p], lambda: not p.scheduler.pinned, lambda o: None, timeout=10)
+        assert p.pool.num_free_blocks == NUM_BLOCKS
+        p.check_integrity()
+    finally:
+        p.connector.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_dead_prefill_fails_or_recomputes_and_frees(llama_gqa_path: Path, policy: str) -> None:
+    p = make_engine(llama_gqa_path, "prefill", "tcp")
+    d = make_engine(llama_gqa_path, "decode", "tcp", kv_load_failure_policy=policy)
+    try:
+        prompts = prompts_of(2, (33,))
+        first = prefill(p, prompts)["r0"]
+        p.connector.close()  # the prefill worker dies before decode pulls
+        submit(d, "r0", prompts["r0"], kv_transfer_params=first.kv_transfer_params)
+        outs: list[EngineOutput] = []
+        run_until([d], lambda: not d.has_unfinished, outs.append)
+        if policy == "fail":
+            assert outs[-1].finish_reason == "error"
+            assert "KV transfer" in outs[-1].error
+        else:
+            tokens = first.new_token_ids + [t for o in outs for t in o.new_token_ids]
+            assert tokens == colocated(llama_gqa_path, prompts)["r0"]
+        assert d.pool.num_free_blocks == NUM_BLOCKS
+        d.check_integrity()
+    finally:
+        d.connector.close()
+
+
+def test_abort_on_either_side_restores_both_pools(pair: tuple[Engine, Engine]) -> None:
+    p, d = pair
+    prompts = prompts_of(3, (40, 40))
+    firsts = prefill(p, prompts)
+    # Prefill side aborts r0 while pinned; decode side aborts r1 while it is loading or running.
+    p.abort(["r0"])
+    for rid in prompts:
+        submit(d, rid, prompts[rid], kv_transfer_params=firsts[rid].kv_transfer_params)
+    d.step()
+    d.abort(["r1"])
+    run_until([d, p], lambda: not d.has_unfinished and not p.scheduler.pinned, lambda o: None)
+    for e in (p, d):
+        assert e.pool.num_free_blocks == NUM_BLOCKS
+        e.check_integrity()
