@@ -117,12 +117,21 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(model, self.backend, self.kv_spec, device)
         self.arch = arch
+        if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
+            self._capture_graphs(sched_cfg.max_num_seqs)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Set by a prefill or decode worker (tandem.kvtransfer.KVConnector); None when colocated.
         self.connector: Any = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _capture_graphs(self, max_num_seqs: int) -> None:
+        from tandem.engine.model_runner import DecodeGraphs
+
+        graphs = DecodeGraphs(self.runner, min(max_num_seqs, 256), self.max_model_len)
+        graphs.capture()
+        self.runner.graphs = graphs
 
     # ---- requests -----------------------------------------------------------------------------
     def make_requests(

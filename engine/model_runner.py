@@ -66,6 +66,7 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads unused slots under a mask, and NaN * 0 = NaN.
         self.kv_cache = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host)."""
@@ -120,12 +121,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Called by the Engine once per non-empty step."""
-        inputs = self.prepare(out)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend
-        )
+    def execute(self, out: SchedulerOutput, inputs: StepInputs | None = None) -> ModelRunnerOutput:
+        """Called by the Engine once per non-empty step (inputs: a prepare() already done)."""
+        inputs = inputs or self.prepare(out)
+        if self.graphs is not None and self.graphs.accepts(inputs.meta):
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend
+            )
         result = ModelRunnerOutput()
         if not inputs.sample_request_ids:
             return result
@@ -147,3 +151,80 @@ class ModelRunner:
             result.sampled_token_ids[rid] = tok
             result.logprobs[rid] = lp
         return result
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps at padded batch sizes (the Triton backend on CUDA).
+
+    Built by the Engine after the KV cache exists (graphs bake in its address). Each captured size
+    uses a fixed split-K factor and max_seq_len = max_model_len, so one graph is right for any
+    sequence lengths. tests/test_engine_gpu.py holds graph replays to the eager path.
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int, max_model_len: int) -> None:
+        from tandem.engine.attention.triton_backend import TritonAttentionBackend
+        from tandem.kernels.cuda_graph import DecodeGraphRunner, GraphInput
+
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // runner.spec.block_size)
+        self.max_batch_size = max_batch_size
+        self._backends = {}
+        self._arange = torch.arange(max_batch_size + 1, dtype=torch.int32, device=runner.device)
+        inputs = [
+            GraphInput("input_ids", (), torch.int64, 0),
+            GraphInput("positions", (), torch.int64, 0),
+            GraphInput("slot_mapping", (), torch.int64, -1),
+            GraphInput("seq_lens", (), torch.int32, 0),
+            GraphInput("block_tables", (self.max_blocks,), torch.int32, 0),
+        ]
+        self.graph_runner = DecodeGraphRunner(
+            self._forward, inputs, max_batch_size, runner.device
+        )
+        for size in self.graph_runner.batch_sizes:
+            # Few sequences: split the context across more programs to fill the GPU.
+            self._backends[size] = TritonAttentionBackend(decode_num_splits=max(1, 64 // size))
+
+    def _forward(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        b = views["input_ids"].shape[0]
+        seq_lens = views["seq_lens"]
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=self._arange[: b + 1],
+            seq_lens=seq_lens,
+            context_lens=seq_lens - 1,
+            block_tables=views["block_tables"],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=[self.max_model_len] * b,
+        )
+        from tandem.kernels.cuda_graph import padded_batch_size
+
+        size = padded_batch_size(b, self.graph_runner.batch_sizes) or b
+        backend = self._backends.get(size, self.runner.backend)
+        return self.runner.model(
+            views["input_ids"], views["positions"], self.runner.kv_cache, meta, backend
+        )
+
+    def capture(self) -> None:
+        self.graph_runner.capture()
+
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        return meta.is_decode_only and meta.num_seqs <= self.max_batch_size
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        tables = torch.zeros(
+            (meta.num_seqs, self.max_blocks), dtype=torch.int32, device=self.runner.device
+        )
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        return self.graph_runner.run(
+            {
+                "input_ids": inputs.input_ids,
+                "positions": inputs.positions,
+                "slot_mapping": meta.slot_mapping,
+                "seq_lens": meta.seq_lens,
+                "block_tables": tables,
+            }
+        ).clone()

@@ -27,6 +27,7 @@ from tandem.kernels.launch import (
 from tandem.kernels.paged_kv import (
     NEG_BIG,
     attention_ref,
+    dot_precision,
     gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
@@ -64,6 +65,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -96,13 +98,13 @@ def _paged_decode_kernel(
             k_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
             stride_kb, stride_ks, stride_kh,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         v = load_paged_tile(
             v_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
             stride_vb, stride_vs, stride_vh,
         )  # fmt: skip
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i = 0: emit zeros, not NaN.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -283,6 +285,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

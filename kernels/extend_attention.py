@@ -30,6 +30,7 @@ from tandem.kernels.launch import (
 from tandem.kernels.paged_kv import (
     NEG_BIG,
     attention_ref,
+    dot_precision,
     gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
@@ -66,6 +67,7 @@ def _paged_extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -103,12 +105,12 @@ def _paged_extend_kernel(
                 k_cache_ptr, bt_row, pos, all_n, kv_head, d, d_mask, block_size,
                 stride_kb, stride_ks, stride_kh,
             )  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             v = load_paged_tile(
                 v_cache_ptr, bt_row, pos, all_n, kv_head, d, d_mask, block_size,
                 stride_vb, stride_vs, stride_vh,
             )  # fmt: skip
-            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc)
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
         for start in range(unmasked_end, kv_end, BLOCK_N):
             pos = start + n
             n_mask = pos < kv_end
@@ -116,14 +118,14 @@ def _paged_extend_kernel(
                 k_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
                 stride_kb, stride_ks, stride_kh,
             )  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(causal, s, float("-inf"))
             v = load_paged_tile(
                 v_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
                 stride_vb, stride_vs, stride_vh,
             )  # fmt: skip
-            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc)
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -241,6 +243,7 @@ def paged_extend_attention(
         BLOCK_M=block_m,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     return out
 

@@ -39,15 +39,20 @@ def load_paged_tile(
 
 
 @triton.jit
-def softmax_update(s, v, m_i, l_i, acc):
+def softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold scores s [M, N] (log2 domain, masked entries -inf) and values v [N, D] into the running
     max m_i, denominator l_i and unnormalised output acc (all fp32)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 attention must not drop to TF32 on tensor cores; 16-bit inputs keep the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def gather_seq_kv_ref(

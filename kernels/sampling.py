@@ -36,7 +36,7 @@ def _greedy_sample_kernel(
         chunk_max = tl.max(x, 0)
         # First index holding the chunk's maximum; a later chunk wins only if strictly larger.
         chunk_idx = tl.min(tl.where(x == chunk_max, idx, vocab), 0).to(tl.int64)
-        better = chunk_max >= best_val
+        better = chunk_max > best_val
         best_idx = tl.where(better, chunk_idx, best_idx)
         best_val = tl.where(better, chunk_max, best_val)
     tl.store(out_ptr + row, best_idx)

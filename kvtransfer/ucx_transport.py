@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SEGMENT_BITS = 20
 _CANCEL_GRACE_S = 5.0
+# ucxx waits this long (ns) for the progress thread when closing an endpoint; its 10 s default
+# would stall the shared UCX loop for every other connector in the process.
+_ABORT_PERIOD_NS = 100_000_000
 
 
 def _buffer(view: torch.Tensor) -> Any:
@@ -88,7 +91,7 @@ async def _finish(tasks: list[asyncio.Future[Any]], timeout: float, ep: Any, wha
         return
     done, pending = await asyncio.wait(tasks, timeout=timeout)
     if pending:
-        ep.abort()  # cancels every request in flight on this endpoint
+        ep.abort(period=_ABORT_PERIOD_NS)  # cancels every request in flight on this endpoint
         await asyncio.wait(pending, timeout=_CANCEL_GRACE_S)
         for t in pending:
             if not t.done():
@@ -146,7 +149,7 @@ class UcxSendTransport:
     async def close(self) -> None:
         async def go() -> None:
             for ep in self._eps.values():
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
             self._eps.clear()
             if self._listener is not None:
                 self._listener.close()
@@ -176,7 +179,7 @@ class UcxRecvTransport:
                 await ep.send(np.frombuffer(token, dtype=np.uint8))
                 await asyncio.wait_for(ep.recv(ack), timeout)
             except Exception:
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
                 raise
             self._eps[token] = ep
 
@@ -219,7 +222,7 @@ class UcxRecvTransport:
         async def go() -> None:
             ep = self._eps.pop(token, None)
             if ep is not None:
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
 
         await self._rt.run(go())
 

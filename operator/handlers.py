@@ -40,6 +40,7 @@ from tandem.operator.reconcile import (
     ChildConflictError,
     apply_children,
     delete_children,
+    drifted,
     is_subset,
     list_pods,
     read_pools,
@@ -91,6 +92,8 @@ class ObjectState:
         self.source_key: tuple[Any, ...] | None = None
         self.last_autoscale: float | None = None
         self.last_reasons: dict[Pool, str] = {}
+        # A pass is queued on the lock: later triggers can rely on it (it re-reads everything).
+        self.queued = False
 
 
 class Controller:
@@ -119,13 +122,22 @@ class Controller:
     async def reconcile(
         self, namespace: str, name: str, state: ObjectState, autoscale: bool = False
     ) -> None:
-        async with state.lock:
+        if state.queued and not autoscale:
+            return
+        state.queued = True
+        try:
+            await state.lock.acquire()
+        finally:
+            state.queued = False
+        try:
             body = await self.fetch(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return
             spec = await self._apply(body)
             if autoscale and spec is not None and spec.autoscaling.enabled:
                 await self._autoscale(body, spec, state)
+        finally:
+            state.lock.release()
 
     async def _apply(self, body: dict[str, Any]) -> TandemServiceSpec | None:
         meta = body["metadata"]
@@ -150,10 +162,12 @@ class Controller:
                 problem = Problem(DegradedReason.APPLY_FAILED, str(exc))
         for key, action in actions.items():
             if action is not Action.UNCHANGED:
-                kopf.info(body, reason=f"Child{action.name.capitalize()}", message=key)
+                kopf.event(
+                    body, type="Normal", reason=f"Child{action.name.capitalize()}", message=key
+                )
         previous = {c.get("type"): c for c in status.get("conditions") or []}
         if problem is not None and previous.get("Degraded", {}).get("message") != problem.message:
-            kopf.warn(body, reason=problem.reason.camel, message=problem.message)
+            kopf.event(body, type="Warning", reason=problem.reason.camel, message=problem.message)
         pools = await read_pools(self.client, owner)
         self.metrics.record_pools(owner.namespace, owner.name, pools)
         self.metrics.reconciles.labels("ok" if problem is None else "degraded").inc()
@@ -224,7 +238,7 @@ class Controller:
             reason = decision.reason.camel
             if decision.changed or state.last_reasons.get(pool) != reason:
                 kind = "ScaledPool" if decision.changed else "AutoscalerHolding"
-                kopf.info(body, reason=kind, message=decision.message(pols[pool]))
+                kopf.event(body, type="Normal", reason=kind, message=decision.message(pols[pool]))
             state.last_reasons[pool] = reason
         if any(d.changed for d in decisions.values()):
             current = effective_replicas(spec, status)
@@ -262,8 +276,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=GROUP, key="last-handled-configuration"
         )
-        # Only warnings become Kubernetes Events through the logger; decisions are posted
-        # explicitly.
+        # Only warnings logged by Kopf become Events; ours are posted explicitly (kopf.event).
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         client = KubeClient(_login)
@@ -301,11 +314,15 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             deleted = await delete_children(controller.client, Owner(name, namespace, uid))
         metrics.forget(namespace, name)
         if deleted:
-            kopf.info(body, reason="ChildrenDeleted", message=", ".join(deleted))
+            kopf.event(body, type="Normal", reason="ChildrenDeleted", message=", ".join(deleted))
 
-    async def child_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+    async def child_changed(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
         controller = shared.get("controller")
-        if controller is None:
+        if controller is None or type is None:
+            return  # the initial listing: resume handlers reconcile every owner anyway
+        # Our own writes come back as events too: only a deleted or drifted child, or a
+        # Deployment (whose status feeds ours), needs a pass.
+        if type != "DELETED" and body.get("kind") != "Deployment" and not drifted(body):
             return
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):

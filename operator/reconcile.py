@@ -103,6 +103,18 @@ def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str
     return patch
 
 
+def drifted(live: Mapping[str, Any]) -> bool:
+    """Whether a child no longer matches what the operator last applied to it."""
+    raw = live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED)
+    try:
+        applied = json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        applied = None
+    if not isinstance(applied, Mapping) or "metadata" not in applied:
+        return True
+    return child_patch(applied, live) is not None
+
+
 def _check_owner(live: Mapping[str, Any], owner: Owner) -> None:
     for ref in live.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("uid") != owner.uid:

@@ -27,7 +27,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.router.errors import OpenAIError, bad_request, no_workers
 from tandem.router.flow import (
@@ -174,7 +173,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         enc = encoder
         if enc is None:
-            path = Path(config.model_path) if config.model_path else resolve_model_path(config.model)
+            path = (
+                Path(config.model_path) if config.model_path else resolve_model_path(config.model)
+            )
             enc = await asyncio.to_thread(PromptEncoder.load, path)
         t = config.timeouts
         timeout = httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.control_s, pool=None)
@@ -252,8 +253,9 @@ def create_app(
     async def heartbeat(request: Request) -> Response:
         hb = Heartbeat.from_json(parse_body(await request.body(), 64 * 1024))
         if not st(request).registry.heartbeat(hb):
-            return OpenAIError(404, "unknown engine_id: register again", code="unknown_worker")\
-                .response()
+            return OpenAIError(
+                404, "unknown engine_id: register again", code="unknown_worker"
+            ).response()
         return JSONResponse({"ok": True})
 
     @app.post("/internal/workers/deregister")
@@ -407,7 +409,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(builder: ResponseBuilder, events: AsyncIterator[TokenEvent], timing: Any) -> None:
+async def _collect(
+    builder: ResponseBuilder, events: AsyncIterator[TokenEvent], timing: Any
+) -> None:
     try:
         async for ev in events:
             timing.on_event(ev)

@@ -1,8 +1,8 @@
 """OpenAI-format errors raised anywhere in the router and rendered by the app's handler.
 
 Every client-visible failure is an ``OpenAIError``: the handler in ``app.py`` turns it into
-``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status, so bad input never
-surfaces as a 500.
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status, so bad input
+never surfaces as a 500.
 """
 
 from __future__ import annotations

@@ -315,7 +315,9 @@ async def _worker_stream(
                 if not ctx.registry.is_live(engine_id):
                     raise WorkerUnavailable(f"worker {engine_id} left the registry") from None
                 if silent >= ctx.config.read_timeout_s:
-                    raise WorkerUnavailable(f"worker {engine_id} sent nothing for {silent:.0f} s")
+                    raise WorkerUnavailable(
+                        f"worker {engine_id} silent for {silent:.0f} s"
+                    ) from None
                 continue
             silent = 0.0
             if chunk is None:

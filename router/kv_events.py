@@ -16,7 +16,6 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
-
 from tandem.router.prefix_index import (
     ApplyResult,
     EventKind,
@@ -75,8 +74,10 @@ def _decode_event(raw: Any) -> KvEvent:
 
 def encode_batch(engine_id: str, seq: int, events: list[list[Any]]) -> list[bytes]:
     """The two-frame message a publisher sends (used by tests and benchmarks' worker doubles)."""
-    payload = msgpack.packb({"v": PROTOCOL_VERSION, "engine_id": engine_id, "seq": seq,
-                             "events": events}, use_bin_type=True)
+    payload = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "engine_id": engine_id, "seq": seq, "events": events},
+        use_bin_type=True,
+    )
     return [TOPIC, payload]
 
 

@@ -1,8 +1,9 @@
 """OpenAI request models and their validation into OpenAIError (400, naming the parameter).
 
-Called by the app's handlers with the parsed JSON body. Models are strict (``"0.5"`` is not a float,
-``true`` is not an int) and ignore unknown fields, as the official clients send extras. Ranges follow
-OpenAI, plus the vLLM extensions users expect (top_k, min_p, repetition_penalty, ignore_eos, ...).
+Called by the app's handlers with the parsed JSON body. Models are strict (``"0.5"`` is not a
+float, ``true`` is not an int) and ignore unknown fields, as the official clients send extras.
+Ranges follow OpenAI, plus the vLLM extensions users expect (top_k, min_p, repetition_penalty,
+ignore_eos, ...).
 ``to_sampling_dict`` produces the wire form of the engine's SamplingParams (docs/internal-api.md).
 """
 
@@ -12,7 +13,6 @@ import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
 from tandem.router.errors import OpenAIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
@@ -96,7 +96,9 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_options(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise _ParamError("stream_options", "stream_options is only allowed when stream is true")
+            raise _ParamError(
+                "stream_options", "stream_options is only allowed when stream is true"
+            )
         return self
 
     def stop_list(self) -> list[str]:
@@ -189,8 +191,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the current name; max_tokens the deprecated one.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else (
-            self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
         )
 
     def engine_logprobs(self) -> int | None:

@@ -57,7 +57,9 @@ class PromptEncoder:
                 **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-            raise bad_request(f"The chat template failed on these messages: {exc}", "messages")
+            raise bad_request(
+                f"The chat template failed on these messages: {exc}", "messages"
+            ) from None
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def vocab_size(self) -> int:

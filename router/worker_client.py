@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-
 from tandem.engine.hashing import BlockHash
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -129,7 +128,7 @@ class WorkerClient:
             return False
 
     async def kv_blocks(self, worker_url: str) -> tuple[str, int, list[BlockHash]]:
-        """The worker's cached-block snapshot: (engine_id, seq, hashes). Raises WorkerUnavailable."""
+        """The worker's cached-block snapshot (engine_id, seq, hashes); raises WorkerUnavailable."""
         try:
             resp = await self._client.get(
                 f"{worker_url}/v1/internal/kv_blocks", timeout=self.timeouts.control_s

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -95,11 +94,20 @@ def test_encode_example_masks_prompt() -> None:
 
 
 def test_lr_schedule() -> None:
-    cfg = TrainConfig(steps=1000, warmup_steps=100, lr=1e-3, min_lr_ratio=0.1)
-    assert lr_at(0, cfg) == pytest.approx(1e-5)
-    assert lr_at(99, cfg) == pytest.approx(1e-3)
-    assert lr_at(550, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2))))
-    assert lr_at(1000, cfg) == pytest.approx(1e-4)
+    cfg = TrainConfig(max_steps=1000, warmup_steps=100, decay_steps=200, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg, None) == pytest.approx(1e-5)
+    assert lr_at(99, cfg, None) == pytest.approx(1e-3)
+    assert lr_at(700, cfg, None) == pytest.approx(1e-3)
+    assert lr_at(499, cfg, 500) == pytest.approx(1e-3)
+    assert lr_at(599, cfg, 500) == pytest.approx(1e-3 * (1 - 0.9 * 0.5))
+    assert lr_at(699, cfg, 500) == pytest.approx(1e-4)
+
+
+def test_train_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig(max_steps=250, warmup_steps=100, decay_steps=200)
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
 
 
 # --- tokenizer ----------------------------------------------------------------------------------

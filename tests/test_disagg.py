@@ -176,3 +176,32 @@ def test_abort_on_either_side_restores_both_pools(pair: tuple[Engine, Engine]) -
     for e in (p, d):
         assert e.pool.num_free_blocks == NUM_BLOCKS
         e.check_integrity()
+
+
+def test_two_prefill_two_decode_crossing_traffic(llama_gqa_path: Path) -> None:
+    ps = [make_engine(llama_gqa_path, "prefill", "ucx") for _ in range(2)]
+    ds = [make_engine(llama_gqa_path, "decode", "ucx") for _ in range(2)]
+    try:
+        prompts = prompts_of(7, (20, 35, 18, 50, 9, 33, 40, 17))
+        firsts: dict[str, EngineOutput] = {}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            submit(ps[i % 2], rid, prompt, remote_decode=True)
+        run_until(ps, lambda: not any(p.has_unfinished for p in ps),
+                  lambda o: firsts.__setitem__(o.request_id, o))
+        # P0's requests go to D0 and D1 alike, and so do P1's: every pair transfers at once.
+        tokens = {rid: list(o.new_token_ids) for rid, o in firsts.items()}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            submit(ds[(i // 2) % 2], rid, prompt, kv_transfer_params=firsts[rid].kv_transfer_params)
+        outs: list[EngineOutput] = []
+        run_until(ds + ps, lambda: not any(e.has_unfinished for e in ds)
+                  and not any(p.scheduler.pinned for p in ps), outs.append)
+        for o in outs:
+            assert o.error is None
+            tokens[o.request_id] += o.new_token_ids
+        assert tokens == colocated(llama_gqa_path, prompts)
+        for e in ps + ds:
+            assert e.pool.num_free_blocks == NUM_BLOCKS
+            e.check_integrity()
+    finally:
+        for e in ps + ds:
+            e.connector.close()

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,18 +29,35 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "weights"
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    """Hyperparameters of one training run (defaults produce the bundled weights)."""
+    """Hyperparameters of one training run (defaults produce the bundled weights).
+
+    The schedule is warmup, then a constant learning rate until the model answers at least
+    `target_accuracy` of the validation inputs (checked every `eval_every` steps), then a linear
+    decay over `decay_steps`. The stopping point depends only on the seed, not on machine speed.
+    If the target is never met, decay starts at `max_steps - decay_steps`.
+    """
 
     seed: int = 0
-    steps: int = 1000
+    max_steps: int = 3000
     batch_size: int = 64
     lr: float = 3e-3
-    min_lr_ratio: float = 0.05
-    warmup_steps: int = 100
+    min_lr_ratio: float = 0.02
+    warmup_steps: int = 50
+    decay_steps: int = 200
+    eval_every: int = 100
+    target_accuracy: float = 0.99
+    num_val: int = 200
+    val_seed: int = 4321
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    threads: int = 2
+    threads: int = 1
     log_every: int = 50
+
+    def __post_init__(self) -> None:
+        if self.max_steps < self.warmup_steps + self.decay_steps:
+            raise ValueError("max_steps must be >= warmup_steps + decay_steps")
+        if min(self.batch_size, self.eval_every, self.num_val, self.threads, self.log_every) < 1:
+            raise ValueError("batch_size, eval_every, num_val, threads and log_every must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +69,15 @@ class Batch:
 
 
 def model_config(tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
-    """The demo architecture: 4 layers, hidden 256, 4 query heads sharing 2 KV heads (GQA)."""
+    """The demo architecture: 4 layers, hidden 128, 4 query heads of dim 32 sharing 2 KV heads."""
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=688,
+        hidden_size=128,
+        intermediate_size=352,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=32,
         hidden_act="silu",
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
@@ -108,17 +124,27 @@ def training_inputs(seed: int, batch_size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio."""
+def lr_at(step: int, cfg: TrainConfig, decay_start: int | None) -> float:
+    """Linear warmup to cfg.lr, constant until decay_start (None: not yet), then linear decay to
+    cfg.lr * cfg.min_lr_ratio over cfg.decay_steps."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+    if decay_start is None or step < decay_start:
+        return cfg.lr
+    progress = min(1.0, (step - decay_start + 1) / cfg.decay_steps)
+    return cfg.lr * (1.0 - (1.0 - cfg.min_lr_ratio) * progress)
 
 
-def train(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
-    """Trains a fresh model from cfg.seed and returns it in eval mode (caller owns it)."""
+def train(
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    on_best: Callable[[LlamaForCausalLM, int, float], None] | None = None,
+) -> LlamaForCausalLM:
+    """Trains a fresh model from cfg.seed and returns it in eval mode (caller owns it).
+
+    `on_best(model, step, val_accuracy)` is called after each validation that beats the previous
+    best, so a caller can keep a usable checkpoint if the run is interrupted.
+    """
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(model_config(tokenizer))
     model.train()
@@ -133,11 +159,18 @@ def train(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausa
         betas=(0.9, 0.98),
     )
     batches = training_inputs(cfg.seed, cfg.batch_size)
+    val_inputs = task.sample_inputs(cfg.num_val, cfg.val_seed)
+    decay_start: int | None = None
+    best_accuracy = -1.0
     start = time.monotonic()
     running = 0.0
-    for step in range(cfg.steps):
+    step = 0
+    while decay_start is None or step < decay_start + cfg.decay_steps:
+        if decay_start is None and step == cfg.max_steps - cfg.decay_steps:
+            decay_start = step
+        lr = lr_at(step, cfg, decay_start)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr
         batch = collate(
             [encode_example(tokenizer, s) for s in next(batches)], tokenizer.pad_token_id
         )
@@ -147,14 +180,24 @@ def train(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausa
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         running += loss.item()
-        if (step + 1) % cfg.log_every == 0:
+        step += 1
+        if step % cfg.log_every == 0:
             elapsed = time.monotonic() - start
             print(
-                f"step {step + 1}/{cfg.steps} loss {running / cfg.log_every:.4f} "
-                f"lr {lr_at(step, cfg):.2e} {elapsed:.0f}s",
+                f"step {step} loss {running / cfg.log_every:.4f} lr {lr:.2e} {elapsed:.0f}s",
                 flush=True,
             )
             running = 0.0
+        if decay_start is None and step % cfg.eval_every == 0:
+            model.eval()
+            val_accuracy = accuracy(model, tokenizer, val_inputs)
+            model.train()
+            print(f"step {step} validation accuracy {val_accuracy:.3f}", flush=True)
+            if on_best is not None and val_accuracy > best_accuracy:
+                on_best(model, step, val_accuracy)
+            best_accuracy = max(best_accuracy, val_accuracy)
+            if val_accuracy >= cfg.target_accuracy:
+                decay_start = step
     model.eval()
     return model
 
@@ -248,25 +291,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument(
+        "--steps",
+        "--max-steps",
+        dest="max_steps",
+        type=int,
+        default=defaults.max_steps,
+        help="cap on training steps (training usually stops earlier, see TrainConfig)",
+    )
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--threads", type=int, default=defaults.threads)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.threads < 1:
-        parser.error("--steps, --batch-size and --threads must be >= 1")
-    cfg = TrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        threads=args.threads,
-        warmup_steps=min(defaults.warmup_steps, max(1, args.steps // 10)),
-    )
+    try:
+        cfg = TrainConfig(
+            seed=args.seed,
+            max_steps=args.max_steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            threads=args.threads,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(cfg.threads)
     tokenizer = build_tokenizer()
     start = time.monotonic()
-    model = train(cfg, tokenizer)
+    model = train(cfg, tokenizer, on_best=lambda m, _step, _acc: save(m, tokenizer, args.out))
     train_seconds = time.monotonic() - start
     held_out = task.held_out_inputs()
     acc = accuracy(model, tokenizer, held_out)
@@ -274,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(
-        f"trained {cfg.steps} steps in {train_seconds:.0f}s; params {params}; "
+        f"trained in {train_seconds:.0f}s; params {params}; "
         f"size {size / 1e6:.2f} MB; held-out greedy accuracy {acc:.3f} on {len(held_out)} inputs"
     )
 

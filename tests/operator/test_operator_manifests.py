@@ -14,7 +14,6 @@ import kubernetes_validate
 import pytest
 import yaml
 from dashboard import dashboard_exprs, dashboard_panels, dashboard_queries
-
 from tandem.operator.children import POOL_LABEL, SERVICE_LABEL
 from tandem.operator.spec import DEFAULT_SELECTOR
 
@@ -84,8 +83,15 @@ def test_kustomize_builds(folder: str) -> None:
     ).stdout
     kinds = [d["kind"] for d in yaml.safe_load_all(out) if d]
     expected = {
-        "": ["Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
-             "ClusterRoleBinding", "Service", "Deployment"],
+        "": [
+            "Namespace",
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Service",
+            "Deployment",
+        ],
         "samples": ["TandemService"],
         "monitoring": ["ConfigMap", "ServiceMonitor", "PodMonitor"],
     }[folder]
@@ -117,19 +123,33 @@ def test_rbac_has_no_wildcards() -> None:
     (binding,) = load("rbac/cluster-role-binding.yaml")
     (sa,) = load("rbac/service-account.yaml")
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-         "namespace": sa["metadata"]["namespace"]}
+        {
+            "kind": "ServiceAccount",
+            "name": sa["metadata"]["name"],
+            "namespace": sa["metadata"]["namespace"],
+        }
     ]
 
 
 def test_dashboard_uses_only_known_metrics() -> None:
     exprs = dashboard_exprs()
     assert len(exprs) >= 20
-    used = {m for _, e in exprs for m in re.findall(r"\b(tandem_[a-z0-9_]+)", e)}
+    used = {m for _, e in exprs for m in re.findall(r"\b(tandem_[a-z0-9_]+)[{\[]", e)}
+    assert len(used) >= 18
     assert used <= DESIGN_METRICS | OPERATOR_METRICS, used - DESIGN_METRICS - OPERATOR_METRICS
     titles = " ".join(p["title"] for p in dashboard_panels()).lower()
-    for topic in ("time to first token", "inter-token", "end-to-end", "waiting", "kv cache",
-                  "prefix cache", "kv transfer bandwidth", "failures", "replicas", "decisions"):
+    for topic in (
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "waiting",
+        "kv cache",
+        "prefix cache",
+        "kv transfer bandwidth",
+        "failures",
+        "replicas",
+        "decisions",
+    ):
         assert topic in titles
 
 

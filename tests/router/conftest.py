@@ -1,4 +1,4 @@
-"""Fixtures for the router tests: a byte-level tokenizer and a loopback cluster of worker doubles."""
+"""Router test fixtures: a byte-level tokenizer and a loopback cluster of worker doubles."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
-from transformers import AutoTokenizer
-from worker_double import Behaviour, Served, WorkerDouble, build_tokenizer, serve
-
 from tandem.router.app import RouterConfig, create_app
 from tandem.router.placement import Policy
 from tandem.router.worker_client import Timeouts
+from transformers import AutoTokenizer
+from worker_double import Behaviour, Served, WorkerDouble, build_tokenizer, serve
 
 MODEL = "test-model"
 
@@ -90,9 +90,7 @@ class Cluster:
 
 
 @pytest.fixture
-async def make_cluster(
-    tokenizer_dir: Path, tokenizer: Any
-) -> AsyncIterator[Callable[..., Any]]:
+async def make_cluster(tokenizer_dir: Path, tokenizer: Any) -> AsyncIterator[Callable[..., Any]]:
     clusters: list[Cluster] = []
 
     async def make(roles: tuple[str, ...] = ("prefill", "decode"), **config: Any) -> Cluster:
@@ -114,3 +112,18 @@ def http() -> httpx.AsyncClient:
 
 
 __all__ = ["Behaviour", "Cluster", "wait_for", "MODEL"]
+
+
+@pytest.fixture
+async def oai() -> AsyncIterator[Callable[..., openai.AsyncOpenAI]]:
+    """Factory of official OpenAI clients (no retries), closed at teardown."""
+    made: list[openai.AsyncOpenAI] = []
+
+    def make(url: str, key: str = "unused") -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=10)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()

@@ -26,13 +26,11 @@ def chat_ids(tokenizer: Any, content: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def client(url: str, key: str = "unused") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=10)
-
-
-async def test_completion_text_usage_and_pd_flow(make_cluster: Any, tokenizer: Any) -> None:
+async def test_completion_text_usage_and_pd_flow(
+    make_cluster: Any, tokenizer: Any, oai: Any
+) -> None:
     c = await make_cluster()
-    r = await client(c.url).completions.create(model=MODEL, prompt="hello world", max_tokens=5)
+    r = await oai(c.url).completions.create(model=MODEL, prompt="hello world", max_tokens=5)
     assert r.choices[0].text == "dlrow"
     assert r.choices[0].finish_reason == "length"
     assert r.object == "text_completion" and r.model == MODEL
@@ -45,14 +43,21 @@ async def test_completion_text_usage_and_pd_flow(make_cluster: Any, tokenizer: A
     assert d_call["prompt_token_ids"] == tokenizer.encode("hello world")
     assert c.metric("tandem_router_requests_total",
                     {"route": "/v1/completions", "code": "200"}) == 1  # fmt: skip
-    assert c.metric("tandem_router_placements_total",
-                    {"pool": "prefill", "policy": "prefix-aware", "reason": "remote"}) == 1
+    assert (
+        c.metric(
+            "tandem_router_placements_total",
+            {"pool": "prefill", "policy": "prefix-aware", "reason": "remote"},
+        )
+        == 1
+    )
 
 
-async def test_chat_completion_uses_chat_template(make_cluster: Any, tokenizer: Any) -> None:
+async def test_chat_completion_uses_chat_template(
+    make_cluster: Any, tokenizer: Any, oai: Any
+) -> None:
     c = await make_cluster()
     ids = chat_ids(tokenizer, "abc")
-    r = await client(c.url).chat.completions.create(
+    r = await oai(c.url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "abc"}], max_completion_tokens=7
     )
     assert r.choices[0].message.content == expected(tokenizer, ids, 7)
@@ -60,10 +65,12 @@ async def test_chat_completion_uses_chat_template(make_cluster: Any, tokenizer: 
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 7
 
 
-async def test_chat_stream_shapes_n2_include_usage(make_cluster: Any, tokenizer: Any) -> None:
+async def test_chat_stream_shapes_n2_include_usage(
+    make_cluster: Any, tokenizer: Any, oai: Any
+) -> None:
     c = await make_cluster()
     ids = chat_ids(tokenizer, "stream me")
-    stream = await client(c.url).chat.completions.create(
+    stream = await oai(c.url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "stream me"}], max_tokens=6, n=2,
         seed=10, stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
@@ -90,8 +97,10 @@ async def test_chat_stream_shapes_n2_include_usage(make_cluster: Any, tokenizer:
 async def test_raw_sse_ends_with_done(make_cluster: Any) -> None:
     c = await make_cluster()
     async with httpx.AsyncClient() as h:
-        r = await h.post(f"{c.url}/v1/completions",
-                         json={"model": MODEL, "prompt": "xyz", "max_tokens": 2, "stream": True})
+        r = await h.post(
+            f"{c.url}/v1/completions",
+            json={"model": MODEL, "prompt": "xyz", "max_tokens": 2, "stream": True},
+        )
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
@@ -101,9 +110,9 @@ async def test_raw_sse_ends_with_done(make_cluster: Any) -> None:
     assert all("usage" not in p for p in payloads)
 
 
-async def test_stop_string(make_cluster: Any) -> None:
+async def test_stop_string(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
-    r = await client(c.url).completions.create(
+    r = await oai(c.url).completions.create(
         model=MODEL, prompt="abcdefgh", max_tokens=8, stop=["zz", "d"]
     )
     assert r.choices[0].text == "hgfe"
@@ -111,27 +120,27 @@ async def test_stop_string(make_cluster: Any) -> None:
     assert c.workers[1].generate_calls[0]["sampling_params"]["stop"] == ["zz", "d"]
 
 
-async def test_batch_prompts_and_token_id_prompts(make_cluster: Any) -> None:
+async def test_batch_prompts_and_token_id_prompts(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
-    r = await client(c.url).completions.create(model=MODEL, prompt=["ab", "cde"], max_tokens=2,
+    r = await oai(c.url).completions.create(model=MODEL, prompt=["ab", "cde"], max_tokens=2,
                                                n=2)  # fmt: skip
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
     assert [ch.text for ch in r.choices] == ["ba", "ba", "ed", "ed"]
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
-    r = await client(c.url).completions.create(model=MODEL, prompt=[70, 71, 104], max_tokens=1)
+    r = await oai(c.url).completions.create(model=MODEL, prompt=[70, 71, 104], max_tokens=1)
     assert r.choices[0].text == "h"  # token id == byte value in the test tokenizer
 
 
-async def test_max_tokens_one_finishes_at_prefill(make_cluster: Any) -> None:
+async def test_max_tokens_one_finishes_at_prefill(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
-    r = await client(c.url).completions.create(model=MODEL, prompt="qrs", max_tokens=1)
+    r = await oai(c.url).completions.create(model=MODEL, prompt="qrs", max_tokens=1)
     assert (r.choices[0].text, r.choices[0].finish_reason) == ("s", "length")
     assert c.workers[1].generate_calls == []
 
 
-async def test_logprobs_chat_and_completion(make_cluster: Any) -> None:
+async def test_logprobs_chat_and_completion(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
-    r = await client(c.url).chat.completions.create(
+    r = await oai(c.url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
         logprobs=True, top_logprobs=2,
     )  # fmt: skip
@@ -139,24 +148,28 @@ async def test_logprobs_chat_and_completion(make_cluster: Any) -> None:
     assert [e.token for e in content] == list(">|t")
     assert all(e.logprob == -0.25 and len(e.top_logprobs) == 2 for e in content)
     assert content[0].bytes == [ord(">")]
-    r = await client(c.url).completions.create(model=MODEL, prompt="ab", max_tokens=2, logprobs=1)
+    r = await oai(c.url).completions.create(model=MODEL, prompt="ab", max_tokens=2, logprobs=1)
     lp = r.choices[0].logprobs
     assert lp.tokens == ["b", "a"] and lp.token_logprobs == [-0.25, -0.25]
     assert lp.top_logprobs == [{"b": -0.25}, {"a": -0.25}] and lp.text_offset == [0, 1]
 
 
-async def test_models_health_metrics(make_cluster: Any) -> None:
+async def test_models_health_metrics(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
-    models = await client(c.url).models.list()
+    models = await oai(c.url).models.list()
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient() as h:
         health = (await h.get(f"{c.url}/health")).json()
         assert health == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "colocated": 0}}
-        await client(c.url).completions.create(model=MODEL, prompt="abcdefgh", max_tokens=3)
+        await oai(c.url).completions.create(model=MODEL, prompt="abcdefgh", max_tokens=3)
         text = (await h.get(f"{c.url}/metrics")).text
-    for name in ("tandem_router_requests_total", "tandem_time_to_first_token_seconds_bucket",
-                 "tandem_inter_token_latency_seconds_bucket",
-                 "tandem_e2e_request_latency_seconds_bucket", "tandem_router_placements_total"):
+    for name in (
+        "tandem_router_requests_total",
+        "tandem_time_to_first_token_seconds_bucket",
+        "tandem_inter_token_latency_seconds_bucket",
+        "tandem_e2e_request_latency_seconds_bucket",
+        "tandem_router_placements_total",
+    ):
         assert name in text
     assert c.metric("tandem_time_to_first_token_seconds_count") == 1
     assert c.metric("tandem_inter_token_latency_seconds_count") == 2
@@ -173,63 +186,67 @@ async def _post(url: str, body: bytes | dict, headers: dict | None = None) -> ht
         return await h.post(url, content=body, headers=headers)
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "param"),
-    [
-        (b"{not json", 400, None),
-        (b'"a string"', 400, None),
-        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "temperature": 9}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "x", "n": -1}, 400, "n"),
-        ({"model": "nope", "prompt": "x"}, 404, "model"),
-        ({"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 256}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [99999]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ],
-)
+BAD_INPUTS: list[tuple[bytes | dict, int, str | None]] = [
+    (b"{not json", 400, None),
+    (b'"a string"', 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": 9}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "n": -1}, 400, "n"),
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 256}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [99999]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    (b"{" + b" " * (2 * 1024 * 1024) + b"}", 413, None),
+]
+
+
 async def test_bad_input_gets_openai_error_and_server_keeps_serving(
-    make_cluster: Any, body: bytes | dict, status: int, param: str | None
+    make_cluster: Any, oai: Any
 ) -> None:
-    c = await make_cluster()
-    r = await _post(f"{c.url}/v1/completions", body)
-    assert r.status_code == status
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param and err["message"]
-    good = await client(c.url).completions.create(model=MODEL, prompt="ok", max_tokens=2)
-    assert good.choices[0].text == "ko"
-    assert c.workers[0].generate_calls[-1]["prompt_token_ids"] == [ord("o"), ord("k")]
+    c = await make_cluster(max_body_bytes=1024 * 1024)
+    for body, status, param in BAD_INPUTS:
+        r = await _post(f"{c.url}/v1/completions", body)
+        assert r.status_code == status, body
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["param"] == param and err["message"]
+        good = await oai(c.url).completions.create(model=MODEL, prompt="ok", max_tokens=2)
+        assert good.choices[0].text == "ko"
+    assert c.workers[1].generate_calls[-1]["prompt_token_ids"] == [ord("o"), ord("k")]
+    assert len(c.workers[0].generate_calls) == len(BAD_INPUTS)  # bad requests reached no worker
+    assert c.metric("tandem_router_requests_total",
+                    {"route": "/v1/completions", "code": "400"}) == 9  # fmt: skip
 
 
-async def test_prompt_too_long_code_and_openai_exception(make_cluster: Any) -> None:
+async def test_prompt_too_long_code_and_openai_exception(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster()
     with pytest.raises(openai.BadRequestError) as e:
-        await client(c.url).chat.completions.create(
+        await oai(c.url).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "y" * 400}]
         )
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
     with pytest.raises(openai.NotFoundError):
-        await client(c.url).chat.completions.create(model="other", messages=[
+        await oai(c.url).chat.completions.create(model="other", messages=[
             {"role": "user", "content": "hi"}])  # fmt: skip
 
 
-async def test_api_key(make_cluster: Any) -> None:
+async def test_api_key(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster(api_keys=("sekret",))
     with pytest.raises(openai.AuthenticationError):
-        await client(c.url, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        await oai(c.url, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
     r = await _post(f"{c.url}/v1/completions", {"model": MODEL, "prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        await client(c.url, "wrong").models.list()
-    ok = await client(c.url, "sekret").completions.create(model=MODEL, prompt="xy", max_tokens=1)
+        await oai(c.url, "wrong").models.list()
+    ok = await oai(c.url, "sekret").completions.create(model=MODEL, prompt="xy", max_tokens=1)
     assert ok.choices[0].text == "y"
     assert c.metric("tandem_router_requests_total",
                     {"route": "/v1/completions", "code": "401"}) == 2  # fmt: skip
 
 
-async def test_no_workers_is_503(make_cluster: Any) -> None:
+async def test_no_workers_is_503(make_cluster: Any, oai: Any) -> None:
     c = await make_cluster(roles=())
     with pytest.raises(openai.InternalServerError) as e:
-        await client(c.url).completions.create(model=MODEL, prompt="x", max_tokens=1)
+        await oai(c.url).completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert e.value.status_code == 503

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tandem.router.placement import (
     Candidate,
     Placer,
@@ -38,8 +37,11 @@ def test_score_formula_exact() -> None:
         ([cand("a", overlap=10, running=3), cand("b")], "a", "prefix_hit"),
         ([cand("a", kv=0.9), cand("b", kv=0.1)], "b", "load"),
         ([cand("a", waiting=1), cand("b", running=1)], "b", "load"),
-        ([cand("a", overlap=2, blocks=4, running=1), cand("b", overlap=4, blocks=4, running=4)],
-         "a", "prefix_hit"),
+        (
+            [cand("a", overlap=2, blocks=4, running=1), cand("b", overlap=4, blocks=4, running=4)],
+            "a",
+            "prefix_hit",
+        ),
     ],
 )
 def test_prefix_aware_choice(cands: list[Candidate], expected: str, reason: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
 from tandem.engine.hashing import hash_block_tokens
 from tandem.router.kv_events import MalformedEvent, decode_batch, encode_batch
 from tandem.router.prefix_index import (

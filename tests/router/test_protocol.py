@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from tandem.router.errors import OpenAIError
 from tandem.router.protocol import (
     ChatCompletionRequest,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from tandem.router.errors import OpenAIError
 from tandem.router.registry import Heartbeat, Role, WorkerInfo, WorkerRegistry
 
@@ -32,8 +31,8 @@ def test_register_heartbeat_and_expire_after_timeout() -> None:
     reg.register(WorkerInfo.from_json(info()))
     assert [w.info.engine_id for w in reg.by_role(Role.DECODE)] == ["e1"]
     clock.now += 2.9
-    assert reg.heartbeat(Heartbeat.from_json({"engine_id": "e1", "running": 2, "waiting": 1,
-                                               "kv_usage": 0.5, "num_free_blocks": 50}))  # fmt: skip
+    hb = {"engine_id": "e1", "running": 2, "waiting": 1, "kv_usage": 0.5, "num_free_blocks": 50}
+    assert reg.heartbeat(Heartbeat.from_json(hb))
     w = reg.get("e1")
     assert (w.running, w.waiting, w.kv_usage, w.num_free_blocks) == (2, 1, 0.5, 50)
     clock.now += 3.0

@@ -22,9 +22,6 @@ import uvicorn
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from tandem.engine.hashing import HASH_ALGORITHM, hash_block_tokens
 from tandem.router.tokenizer import _bytes_to_unicode
 
@@ -35,7 +32,10 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out_dir: Path) -> Path:
-    """A byte-level tokenizer (256 byte tokens + specials) with a chat template, saved in HF form."""
+    """A byte-level tokenizer (256 byte tokens + eos) with a chat template, saved in HF form."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}  # token id == byte value
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -79,10 +79,10 @@ class Served:
         await asyncio.wait_for(self.task, 10)
 
 
-async def serve(app: Any) -> Served:
+async def serve(app: Any, port: int = 0) -> Served:
     """Serve an ASGI app on a loopback port in this event loop; returns once it accepts."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
@@ -225,9 +225,9 @@ class WorkerDouble:
                 if aborted.is_set():
                     yield _line(chunk([], "", "abort", len(prompt), cached))
                     return
-                if b_crash := self.behaviour.crash_after_tokens:
-                    if k - start >= b_crash:
-                        raise ConnectionResetError("injected crash")
+                crash = self.behaviour.crash_after_tokens
+                if crash is not None and k - start >= crash:
+                    raise ConnectionResetError("injected crash")
                 if self.behaviour.token_delay_s:
                     await asyncio.sleep(self.behaviour.token_delay_s)
                 tok = self.token_at(prompt, k, seed)
@@ -268,12 +268,12 @@ class WorkerDouble:
             self._active.pop(rid, None)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    async def start(self, router_url: str | None) -> WorkerDouble:
+    async def start(self, router_url: str | None, port: int = 0) -> WorkerDouble:
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._events_port = self._pub.bind_to_random_port("tcp://127.0.0.1")
-        self.served = await serve(self.app())
+        self.served = await serve(self.app(), port)
         if router_url is not None:
             await self.register(router_url)
             self._hb_task = asyncio.create_task(self._heartbeats(router_url))
@@ -288,8 +288,13 @@ class WorkerDouble:
         async with httpx.AsyncClient() as c:
             while True:
                 if self.behaviour.heartbeat:
-                    hb = {"engine_id": self.engine_id, "running": len(self._active),
-                          "waiting": 0, "kv_usage": 0.0, "num_free_blocks": self.num_blocks}
+                    hb = {
+                        "engine_id": self.engine_id,
+                        "running": len(self._active),
+                        "waiting": 0,
+                        "kv_usage": 0.0,
+                        "num_free_blocks": self.num_blocks,
+                    }
                     try:
                         r = await c.post(f"{router_url}/internal/workers/heartbeat", json=hb)
                         if r.status_code == 404:

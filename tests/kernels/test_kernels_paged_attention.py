@@ -97,8 +97,9 @@ def test_paged_decode_attention_matches_reference(heads: Heads, poisoned_alloc: 
 
     expected = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
     assert torch.equal(expected[-1], torch.zeros_like(expected[-1]))
-    # 1 split, 3 splits (some empty for short rows) and more splits than any row has tiles.
-    for num_splits, block_n in ((1, 32), (3, 16), (8, 32)):
+    # 1 split, 3 splits (some empty for short rows) and more splits than any row has tiles; the
+    # 64-wide tile is the CUDA default.
+    for num_splits, block_n in ((1, 64), (3, 16), (8, 32)):
         out = paged_decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, num_splits=num_splits, block_n=block_n
         )
@@ -145,8 +146,8 @@ def test_paged_extend_attention_matches_reference(heads: Heads) -> None:
     expected = paged_extend_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, lens, scale
     )
-    # Interpreter-sized tiles, then CUDA-sized ones (several query tiles per chunk vs one).
-    for block_m, block_n in ((16, 16), (64, 32)):
+    # Interpreter-sized tiles, then the CUDA defaults (several query tiles per chunk vs one).
+    for block_m, block_n in ((16, 16), (64, 64)):
         out = torch.full_like(q, float("nan"))
         paged_extend_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, lens, max_query_len, scale,
@@ -172,7 +173,7 @@ def test_extend_of_decode_rows_equals_decode_kernel() -> None:
     torch.testing.assert_close(via_extend, via_decode, atol=ATOL, rtol=RTOL)
 
 
-def test_wrappers_reject_bad_input_without_writing() -> None:
+def test_wrappers_reject_bad_input_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
     heads = Heads(6, 4, 64, 16)  # 6 query heads are not a multiple of 4 KV heads
     gen = torch.Generator().manual_seed(0)
     kv_cache = make_kv_cache(heads, 4, gen)
@@ -194,4 +195,8 @@ def test_wrappers_reject_bad_input_without_writing() -> None:
         kv_cache_write(k.half(), k.half(), k_cache, v_cache, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_extend_attention(q[:, :4], k_cache, v_cache, tables, lens, lens, 2, 1.0)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            kv_cache_write(k, k, k_cache, v_cache, torch.tensor([1, 2]))
     assert torch.equal(kv_cache, before)

@@ -48,7 +48,9 @@ def make_meta(
 
 
 @pytest.mark.parametrize("decode_num_splits", [None, 2])
-def test_backend_prefill_mixed_and_decode_steps(decode_num_splits: int | None) -> None:
+def test_backend_prefill_mixed_and_decode_steps(
+    decode_num_splits: int | None, poisoned_alloc: None
+) -> None:
     gen = torch.Generator().manual_seed(11)
     backend = get_backend("triton")
     backend.decode_num_splits = decode_num_splits
@@ -66,9 +68,9 @@ def test_backend_prefill_mixed_and_decode_steps(decode_num_splits: int | None) -
     ]
     for query_lens, seq_lens, num_tokens in steps:
         meta = make_meta(query_lens, seq_lens, block_tables, num_tokens)
-        q = torch.randn((num_tokens, HQ, D), generator=gen)
-        kv = torch.randn((num_tokens, 2 * HKV, D), generator=gen)
-        k, v = kv[:, :HKV], kv[:, HKV:]
+        # q, k and v are strided views of one fused projection output, as the model passes them.
+        qkv = torch.randn((num_tokens, HQ + 2 * HKV, D), generator=gen)
+        q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
         real = sum(query_lens)
 
         out = backend.forward(q, k, v, k_cache, v_cache, meta, SCALE)

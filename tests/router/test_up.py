@@ -1,0 +1,125 @@
+"""``tandem up``: command lines, and supervision (ready, Ctrl-C, start-up failure) with real
+router and worker-double processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from tandem.up import UpConfig, build_specs, curl_line, parse_config
+
+HARNESS = Path(__file__).parent / "up_harness.py"
+PY = "/py"
+
+
+def test_specs_disaggregated() -> None:
+    cfg = UpConfig(model="/m", port=9000, prefill=1, decode=2, kv_transport="tcp",
+                   local_prefill_threshold=64, engine_options=("max_num_seqs=8",))  # fmt: skip
+    specs = build_specs(cfg, iter([7001, 7002, 7003]), python=PY)
+    base = (PY, "-m", "tandem.cli")
+    assert [s.name for s in specs] == ["router", "prefill-0", "decode-0", "decode-1"]
+    assert specs[0].argv == base + (
+        "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
+        "--policy", "prefix-aware", "--local-prefill-threshold", "64",
+    )  # fmt: skip
+    assert specs[0].env == ()
+    assert specs[1].argv == base + (
+        "prefill", "--model", "/m", "--host", "127.0.0.1", "--port", "7001",
+        "--router-url", "http://127.0.0.1:9000", "--kv-transport", "tcp",
+        "--engine-option", "max_num_seqs=8",
+    )  # fmt: skip
+    assert [s.url for s in specs[1:]] == [f"http://127.0.0.1:{p}" for p in (7001, 7002, 7003)]
+    assert [s.role for s in specs] == ["router", "prefill", "decode", "decode"]
+
+
+def test_specs_colocated_and_api_key_in_env() -> None:
+    cfg = UpConfig(prefill=0, decode=2, api_key="k")
+    specs = build_specs(cfg, iter([1, 2]), python=PY)
+    assert [s.role for s in specs] == ["router", "colocated", "colocated"]
+    assert specs[1].argv[3] == "colocated"
+    assert specs[0].env == (("TANDEM_API_KEY", "k"),)
+    assert "k" not in specs[0].argv
+    assert "Authorization: Bearer k" in curl_line(cfg)
+
+
+def test_parse_config_defaults_and_errors() -> None:
+    cfg = parse_config([])
+    assert (cfg.model, cfg.port, cfg.prefill, cfg.decode, cfg.kv_transport) == (
+        "demo", 8000, 1, 1, "ucx")  # fmt: skip
+    assert parse_config(["--prefill", "0", "--local-prefill-threshold", "32"]).prefill == 0
+    for bad in (["--decode", "0"], ["--prefill", "-1"], ["--model", "/does/not/exist"],
+                ["--kv-transport", "smoke"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_config(bad)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tokenizer_dir: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(HARNESS), "--tokenizer", str(tokenizer_dir), "--port", str(port),
+         "--log-dir", str(tmp_path), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )  # fmt: skip
+    return proc, port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_then_ctrl_c_leaves_no_process(tokenizer_dir: Path, tmp_path: Path) -> None:
+    proc, port = _start(tokenizer_dir, tmp_path)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "READY":
+                break
+        pids = [int(m.group(1)) for m in (re.search(r" pid (\d+)", s) for s in lines) if m]
+        assert len(pids) == 3, "".join(lines)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "test-model", "prompt": "abc", "max_tokens": 3},
+            timeout=30,
+        )
+        assert r.json()["choices"][0]["text"] == "cba"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_up_worker_dying_at_startup_fails_with_log_tail(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    proc, _ = _start(tokenizer_dir, tmp_path, "--fail-worker")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "decode-1 exited with code 3" in out
+    assert "boom: cannot load weights" in out
+    assert "READY" not in out
