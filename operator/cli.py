@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 import kopf
+
 from tandem.operator.handlers import OperatorConfig, build_registry
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from tandem.operator.autoscaler import Decision, Pool, PoolState, decide
 from tandem.operator.children import (
     GROUP,
@@ -43,6 +44,7 @@ from tandem.operator.reconcile import (
     drifted,
     is_subset,
     list_pods,
+    pools_from,
     read_pools,
 )
 from tandem.operator.scaling import (
@@ -145,7 +147,7 @@ class Controller:
         status = body.get("status") or {}
         problem: Problem | None = None
         spec: TandemServiceSpec | None = None
-        actions: dict[str, Action] = {}
+        applied: dict[str, tuple[Action, dict[str, Any]]] = {}
         try:
             spec = parse_spec(body.get("spec") or {})
         except SpecError as exc:
@@ -153,14 +155,14 @@ class Controller:
         if spec is not None:
             children = render_children(owner, spec, effective_replicas(spec, status))
             try:
-                actions = await apply_children(self.client, owner, children)
+                applied = await apply_children(self.client, owner, children)
             except ChildConflictError as exc:
                 problem = Problem(DegradedReason.CHILD_CONFLICT, str(exc))
             except KubeAPIError as exc:
                 if exc.status not in (400, 403, 422):
                     raise
                 problem = Problem(DegradedReason.APPLY_FAILED, str(exc))
-        for key, action in actions.items():
+        for key, (action, _) in applied.items():
             if action is not Action.UNCHANGED:
                 kopf.event(
                     body, type="Normal", reason=f"Child{action.name.capitalize()}", message=key
@@ -168,7 +170,7 @@ class Controller:
         previous = {c.get("type"): c for c in status.get("conditions") or []}
         if problem is not None and previous.get("Degraded", {}).get("message") != problem.message:
             kopf.event(body, type="Warning", reason=problem.reason.camel, message=problem.message)
-        pools = await read_pools(self.client, owner)
+        pools = pools_from(owner, applied) if applied else await read_pools(self.client, owner)
         self.metrics.record_pools(owner.namespace, owner.name, pools)
         self.metrics.reconciles.labels("ok" if problem is None else "degraded").inc()
         endpoint = router_url(owner, spec) if spec is not None else status.get("endpoint")

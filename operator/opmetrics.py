@@ -12,6 +12,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
+
 from tandem.operator.autoscaler import Decision
 from tandem.operator.reconcile import PoolStatus
 

@@ -125,18 +125,20 @@ def _check_owner(live: Mapping[str, Any], owner: Owner) -> None:
             )
 
 
-async def apply_child(client: KubeClient, owner: Owner, desired: Mapping[str, Any]) -> Action:
-    """Create or patch one child so it matches `desired`."""
+async def apply_child(
+    client: KubeClient, owner: Owner, desired: Mapping[str, Any]
+) -> tuple[Action, dict[str, Any]]:
+    """Create or patch one child so it matches `desired`; returns what the server holds now."""
     meta = desired["metadata"]
     kind, api_version = desired["kind"], desired["apiVersion"]
     path = object_path(api_version, kind, meta["namespace"], meta["name"])
     live = await client.get(path)
     if live is None:
         try:
-            await client.create(
+            created = await client.create(
                 object_path(api_version, kind, meta["namespace"]), annotate_last_applied(desired)
             )
-            return Action.CREATED
+            return Action.CREATED, created
         except KubeAPIError as exc:
             if exc.status != 409:
                 raise
@@ -147,20 +149,30 @@ async def apply_child(client: KubeClient, owner: Owner, desired: Mapping[str, An
     _check_owner(live, owner)
     patch = child_patch(desired, live)
     if patch is None:
-        return Action.UNCHANGED
-    await client.merge_patch(path, patch)
-    return Action.UPDATED
+        return Action.UNCHANGED, live
+    return Action.UPDATED, await client.merge_patch(path, patch)
 
 
 async def apply_children(
     client: KubeClient, owner: Owner, children: Sequence[Mapping[str, Any]]
-) -> dict[str, Action]:
-    """Apply all children in order; keys are "Kind/name"."""
-    actions: dict[str, Action] = {}
+) -> dict[str, tuple[Action, dict[str, Any]]]:
+    """Apply all children in order; keys are "Kind/name", values the action and the object."""
+    applied: dict[str, tuple[Action, dict[str, Any]]] = {}
     for child in children:
         key = f"{child['kind']}/{child['metadata']['name']}"
-        actions[key] = await apply_child(client, owner, child)
-    return actions
+        applied[key] = await apply_child(client, owner, child)
+    return applied
+
+
+def pools_from(
+    owner: Owner, applied: Mapping[str, tuple[Action, Mapping[str, Any]]]
+) -> dict[str, PoolStatus | None]:
+    """Pool status from the Deployments an apply pass just read or wrote (saves re-reading)."""
+    out: dict[str, PoolStatus | None] = {}
+    for pool in ("router", "prefill", "decode"):
+        entry = applied.get(f"Deployment/{child_name(owner.name, pool)}")
+        out[pool] = None if entry is None else pool_status_from(entry[1])
+    return out
 
 
 def _owned(obj: Mapping[str, Any], owner: Owner) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+
 from tandem.operator.autoscaler import Pool, PoolSignals
 from tandem.operator.promtext import (
     ExpositionError,

@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.router.errors import OpenAIError, bad_request, no_workers
 from tandem.router.flow import (

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     import uvicorn
+
     from tandem.router.app import RouterConfig, create_app
 
     logging.basicConfig(

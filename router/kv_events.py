@@ -2,7 +2,8 @@
 
 The app starts a subscription when a worker registers and stops it when the worker leaves; the
 ``KvEventSubscriber`` owns the ZMQ context and every socket. Each task first loads a snapshot
-(``/v1/internal/kv_blocks``), then applies events in sequence order; a gap, a foreign engine id or a
+(``/v1/internal/kv_blocks``, whose ``seq`` is the number of the next message the worker will
+publish), then applies events in sequence order; a gap, a foreign engine id or a
 malformed message triggers another snapshot. Messages are msgpack (never pickle) and size-limited.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+
 from tandem.router.prefix_index import (
     ApplyResult,
     EventKind,

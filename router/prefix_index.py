@@ -103,7 +103,8 @@ class PrefixIndex:
     def load_snapshot(
         self, engine_id: str, snapshot_engine_id: str, seq: int, hashes: Iterable[BlockHash]
     ) -> bool:
-        """Replace a worker's entries with a snapshot that includes every event up to ``seq``.
+        """Replace a worker's entries with a snapshot; ``seq`` is the sequence number of the next
+        message the worker will publish (the snapshot includes every message before it).
 
         Returns False (and leaves the worker unsynced) when the snapshot comes from another engine.
         """
@@ -116,7 +117,7 @@ class PrefixIndex:
         w.hashes = OrderedDict((h, None) for h in hashes)
         while len(w.hashes) > w.capacity:
             w.hashes.popitem(last=False)
-        w.next_seq = seq + 1
+        w.next_seq = seq
         w.expecting_since = None
         return True
 

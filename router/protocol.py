@@ -13,6 +13,7 @@ import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 from tandem.router.errors import OpenAIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)

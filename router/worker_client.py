@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from tandem.engine.hashing import BlockHash
 
 MAX_LINE_BYTES = 16 * 1024 * 1024

@@ -1,7 +1,8 @@
 """``tandem up``: router + N prefill + M decode workers as local processes, one command.
 
-``main(argv) -> int`` is called by ``tandem.cli``. It starts the router, then the workers (each
-learns the router only through registration), waits until every worker has registered, prints the
+``main(argv) -> int`` is called by ``tandem.cli``. It starts the router and the workers together
+(each worker learns the router only through registration, retrying until it listens), waits until
+every worker has registered, prints the
 URL and a ready-to-paste curl line, and supervises: Ctrl-C or SIGTERM stops every child (SIGTERM,
 then SIGKILL after a grace period), and a child that dies takes the whole set down with its log tail
 printed, so no process is ever left orphaned. Children run in their own sessions (the terminal's
@@ -235,12 +236,13 @@ def run(
     for s in specs[1:]:
         want[s.role] = want.get(s.role, 0) + 1
     try:
-        supervisor.spawn(router)
+        # All at once: workers retry registration until the router listens, and loading the model
+        # overlaps with the router's start-up.
+        for spec in specs:
+            supervisor.spawn(spec)
         supervisor.wait_until(
             lambda: _get_json(f"{router.url}/health") is not None, startup_timeout_s, "the router"
         )
-        for spec in specs[1:]:
-            supervisor.spawn(spec)
         supervisor.wait_until(
             lambda: registered_roles(router.url) == want, startup_timeout_s,
             "every worker to register",

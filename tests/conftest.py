@@ -11,6 +11,18 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton decides compiled-or-interpreted when a kernel module is imported, so this must be set
+# before any test imports tandem.kernels: without a GPU, kernels run in the CPU interpreter.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def write_random_checkpoint(
     path: Path,
     arch: str = "llama",

@@ -115,3 +115,25 @@ def test_metrics_expose_the_design_names(workers: dict) -> None:
                  "tandem_kv_transfer_bytes_total"):
         assert name in text, name
     assert 'role="decode"' in text
+
+
+def _gauge(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_client_disconnect_aborts_and_frees_blocks(workers: dict) -> None:
+    from procs import wait_for
+
+    url = workers["colocated"]
+    body = {"request_id": "gone", "prompt_token_ids": prompt(3, 40),
+            "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        assert _gauge(url, "tandem_requests_running") == 1
+    wait_for(lambda: _gauge(url, "tandem_requests_running") == 0, 10, "abort after disconnect")
+    wait_for(lambda: _gauge(url, "tandem_kv_cache_usage_ratio") == 0.0, 10, "blocks freed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
+
 from tandem.operator.autoscaler import (
     Pool,
     PoolMemory,

@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from dashboard import dashboard_exprs, dashboard_panels, dashboard_queries
+
 from tandem.operator.children import POOL_LABEL, SERVICE_LABEL
 from tandem.operator.spec import DEFAULT_SELECTOR
 

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from metric_texts import ITL_P90, TTFT_P90, router_text, worker_text
+
 from tandem.operator.autoscaler import Pool
 from tandem.operator.promtext import (
     ExpositionError,

@@ -12,6 +12,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from tandem.operator.children import (
     CONFIG_HASH_ANNOTATION,
     Owner,

@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
+from worker_double import Behaviour, Served, WorkerDouble, build_tokenizer, serve
+
 from tandem.router.app import RouterConfig, create_app
 from tandem.router.placement import Policy
 from tandem.router.worker_client import Timeouts
-from transformers import AutoTokenizer
-from worker_double import Behaviour, Served, WorkerDouble, build_tokenizer, serve
 
 MODEL = "test-model"
 

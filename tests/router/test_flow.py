@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from conftest import MODEL, wait_for
+
 from tandem.engine.hashing import hash_block_tokens
 
 LONG = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens, 22 blocks of 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from tandem.engine.hashing import hash_block_tokens
 from tandem.router.kv_events import MalformedEvent, decode_batch, encode_batch
 from tandem.router.prefix_index import (
@@ -33,7 +34,7 @@ def synced_index(capacity: int = 100) -> tuple[PrefixIndex, Clock]:
     clock = Clock()
     idx = PrefixIndex(clock, events_stale_after_s=5.0)
     idx.add_worker("w", capacity)
-    assert idx.load_snapshot("w", "w", -1, [])
+    assert idx.load_snapshot("w", "w", 0, [])
     return idx, clock
 
 
@@ -67,7 +68,7 @@ def test_sequence_gap_drops_entries_until_snapshot() -> None:
     idx.apply("w", KvEventBatch("w", 0, (stored(*H[:3]),)))
     assert idx.apply("w", KvEventBatch("w", 2, (stored(H[3]),))) is ApplyResult.NEEDS_RESYNC
     assert idx.overlap("w", H) == 0 and not idx.is_synced("w")
-    assert idx.load_snapshot("w", "w", 5, H[:5])
+    assert idx.load_snapshot("w", "w", 6, H[:5])  # includes messages 0..5
     assert idx.overlap("w", H) == 5
     # Events already in the snapshot are skipped; the next one applies.
     assert idx.apply("w", KvEventBatch("w", 5, (stored(H[9]),))) is ApplyResult.IGNORED

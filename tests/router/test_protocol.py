@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from tandem.router.errors import OpenAIError
 from tandem.router.protocol import (
     ChatCompletionRequest,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tandem.up import UpConfig, build_specs, curl_line, parse_config
 
 HARNESS = Path(__file__).parent / "up_harness.py"

@@ -22,6 +22,7 @@ import uvicorn
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
 from tandem.engine.hashing import HASH_ALGORITHM, hash_block_tokens
 from tandem.router.tokenizer import _bytes_to_unicode
 
@@ -183,7 +184,7 @@ class WorkerDouble:
         async def kv_blocks() -> dict[str, Any]:
             return {
                 "engine_id": self.engine_id,
-                "seq": self.seq,
+                "seq": self.seq + 1,  # the next message's number, as the engine reports it
                 "block_hashes": [h.hex() for h in self.stored],
             }
 
@@ -275,7 +276,6 @@ class WorkerDouble:
         self._events_port = self._pub.bind_to_random_port("tcp://127.0.0.1")
         self.served = await serve(self.app(), port)
         if router_url is not None:
-            await self.register(router_url)
             self._hb_task = asyncio.create_task(self._heartbeats(router_url))
         return self
 
@@ -285,7 +285,15 @@ class WorkerDouble:
             r.raise_for_status()
 
     async def _heartbeats(self, router_url: str) -> None:
+        """Register (retrying until the router listens), then heartbeat; re-register on a 404."""
         async with httpx.AsyncClient() as c:
+            registered = False
+            while not registered:
+                try:
+                    await self.register(router_url)
+                    registered = True
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.1)
             while True:
                 if self.behaviour.heartbeat:
                     hb = {
