@@ -56,8 +56,12 @@ def run_hf(path: str, reqs: list[tuple[list[int], int]], batch_size: int) -> tup
             mask[j, width - len(p) :] = 1
         with torch.inference_mode():
             model.generate(
-                ids, attention_mask=mask, max_new_tokens=max(m for _, m in batch),
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in batch),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         total += sum(m for _, m in batch)
     return time.perf_counter() - start, total
@@ -72,8 +76,9 @@ def step_overhead(model: str, num_seqs: int, steps: int = 30) -> dict[str, float
     rng = random.Random(1)
     for i in range(num_seqs):
         prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(64)]
-        engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0, max_tokens=10_000,
-                                                           ignore_eos=True))
+        engine.add_request(
+            f"o{i}", prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        )
     while len(engine.scheduler.running) < num_seqs or engine.scheduler.waiting:
         engine.step()
     sched_prep, step_total = [], []
@@ -102,8 +107,13 @@ def write_random_llama() -> str:
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
     build_tokenizer().save_pretrained(out)
@@ -138,7 +148,8 @@ def main() -> None:
     overhead = step_overhead(args.model, args.overhead_seqs)
     result = {
         "model": args.model,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
         "requests": args.num_requests,
         "output_tokens": eng_tok,
         "engine_tok_s": eng_tok / eng_s,

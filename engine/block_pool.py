@@ -17,7 +17,7 @@ class KVEventKind(IntEnum):
 
 @dataclass(slots=True, frozen=True)
 class KVEvent:
-    """A change of the set of cached block hashes; published to the router (docs/internal-api.md)."""
+    """A change to the set of cached block hashes, published to the router (internal-api.md)."""
 
     kind: KVEventKind
     block_hashes: tuple[BlockHash, ...] = ()
@@ -53,7 +53,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # Insertion order is LRU order: the head is evicted first.
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVEvent] = []
 

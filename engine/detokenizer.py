@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.engine.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
+
+from tandem.engine.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"

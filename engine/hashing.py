@@ -39,7 +39,7 @@ def hash_block_tokens(
     extra_keys: Sequence[str | int] = (),
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of every *full* block of ``token_ids``; a trailing partial block is skipped."""
+    """Chained hashes of every *full* block of ``token_ids``; a trailing partial one is skipped."""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)

@@ -178,9 +178,7 @@ class DecodeGraphs:
             GraphInput("seq_lens", (), torch.int32, 0),
             GraphInput("block_tables", (self.max_blocks,), torch.int32, 0),
         ]
-        self.graph_runner = DecodeGraphRunner(
-            self._forward, inputs, max_batch_size, runner.device
-        )
+        self.graph_runner = DecodeGraphRunner(self._forward, inputs, max_batch_size, runner.device)
         for size in self.graph_runner.batch_sizes:
             # Few sequences: split the context across more programs to fill the GPU.
             self._backends[size] = TritonAttentionBackend(decode_num_splits=max(1, 64 // size))

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from tandem.engine.sampling_params import SamplingParams
 
 

@@ -47,8 +47,9 @@ class WorkerConfig:
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                      "code": None}}
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    }
     return JSONResponse(body, status_code=status)
 
 
@@ -148,11 +149,13 @@ def build_requests(engine: Engine, req: Any) -> list[Any]:
             raise BadRequest("this worker does not receive KV (colocated)", "kv_transfer_params")
         params = KVTransferParams.from_dict(req.kv_transfer_params)
         if len(params.block_ids) != engine.blocks_needed(len(req.prompt_token_ids)):
-            raise BadRequest("kv_transfer_params.block_ids does not cover the prompt",
-                             "kv_transfer_params")
+            raise BadRequest(
+                "kv_transfer_params.block_ids does not cover the prompt", "kv_transfer_params"
+            )
         if params.num_tokens != len(req.prompt_token_ids):
-            raise BadRequest("kv_transfer_params.num_tokens differs from the prompt length",
-                             "kv_transfer_params")
+            raise BadRequest(
+                "kv_transfer_params.num_tokens differs from the prompt length", "kv_transfer_params"
+            )
         (r,) = reqs
         if r.max_tokens <= 1:
             raise BadRequest("max_tokens is already reached by the prefill's token", "max_tokens")
@@ -178,7 +181,9 @@ def _chunk(out: EngineOutput) -> bytes:
         "num_prompt_tokens": out.num_prompt_tokens,
         "num_cached_tokens": out.num_cached_tokens,
         "kv_transfer_params": out.kv_transfer_params,
-        "error": {"message": out.error, "type": "server_error", "code": None} if out.error else None,
+        "error": {"message": out.error, "type": "server_error", "code": None}
+        if out.error
+        else None,
     }
     return json.dumps(body).encode() + b"\n"
 
@@ -194,8 +199,9 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
         app.state.service = service
         registrar = None
         if config.router_url:
-            registrar = Registrar(config.router_url, service.info, service.load,
-                                  config.heartbeat_interval_s)
+            registrar = Registrar(
+                config.router_url, service.info, service.load, config.heartbeat_interval_s
+            )
             registrar.start()
         try:
             yield
@@ -231,8 +237,11 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
 
         def snapshot(e: Engine) -> dict[str, Any]:
             # Taken on the engine thread, so seq and the hash set are consistent.
-            return {"engine_id": s.engine_id, "seq": s.events.seq,
-                    "block_hashes": [h.hex() for h in e.pool.cached_hashes()]}
+            return {
+                "engine_id": s.engine_id,
+                "seq": s.events.seq,
+                "block_hashes": [h.hex() for h in e.pool.cached_hashes()],
+            }
 
         return await asyncio.wrap_future(s.thread.call(snapshot))
 
@@ -253,8 +262,17 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
     async def generate(request: Request) -> Response:
         s = svc(request)
         if s.draining:
-            return JSONResponse({"error": {"message": "worker is draining", "type": "unavailable",
-                                           "param": None, "code": None}}, status_code=503)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "worker is draining",
+                        "type": "unavailable",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status_code=503,
+            )
         try:
             body = await request.json()
         except ValueError:
@@ -265,7 +283,9 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
             return _error(400, str(exc), exc.param)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        s.thread.subscribe(greq.request_id, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o))
+        s.thread.subscribe(
+            greq.request_id, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o)
+        )
         try:
             await asyncio.wrap_future(s.thread.call(lambda e: build_requests(e, greq)))
         except BadRequest as exc:

@@ -27,20 +27,31 @@ def _engine_option(text: str) -> tuple[str, Any]:
 
 
 def parser(role: Role) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"tandem {role.label}", description=f"Run a {role.label} worker.")
+    p = argparse.ArgumentParser(
+        prog=f"tandem {role.label}", description=f"Run a {role.label} worker."
+    )
     p.add_argument("--model", default="demo", help="'demo' or a local Hugging Face directory")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--advertise-host", default=None,
-                   help="address peers and the router use to reach this worker (default --host)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address peers and the router use to reach this worker (default --host)",
+    )
     p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
     p.add_argument("--kv-transport", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--kv-lease-seconds", type=float, default=10.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--engine-option", action="append", type=_engine_option, default=[],
-                   metavar="KEY=VALUE", help="any engine option, e.g. max_num_seqs=64 (repeatable)")
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="any engine option, e.g. max_num_seqs=64 (repeatable)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -59,8 +70,11 @@ def main(role_name: str, argv: list[str]) -> int:
     options.setdefault("role", role)
     try:
         engine_config = build_engine_config(
-            args.model, dtype=args.dtype, device=args.device,
-            served_model_name=args.served_model_name or args.model, **options
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            served_model_name=args.served_model_name or args.model,
+            **options,
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"invalid engine option: {exc}") from None
@@ -74,6 +88,11 @@ def main(role_name: str, argv: list[str]) -> int:
         kv_transport=args.kv_transport,
         kv_lease_seconds=args.kv_lease_seconds,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port,
-                log_level=args.log_level.lower(), access_log=False)
+    uvicorn.run(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=False,
+    )
     return 0

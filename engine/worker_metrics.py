@@ -14,8 +14,13 @@ from tandem.engine.engine import EngineStats
 class EngineCollector(Collector):
     """Exposes engine counters at scrape time; cheap, lock-free (reads one snapshot object)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], counters: Callable[[], dict[str, int]],
-                 model: str, role: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        counters: Callable[[], dict[str, int]],
+        model: str,
+        role: str,
+    ) -> None:
         self._stats = stats
         self._counters = counters
         self._labels = [model, role]
@@ -45,13 +50,15 @@ class EngineCollector(Collector):
             s.prefix_queried_tokens,
         )
         yield counter(
-            "tandem_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+            "tandem_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache",
             s.prefix_hit_tokens,
         )
         yield counter("tandem_prompt_tokens", "Prompt tokens computed", c["prompt_tokens"])
         yield counter("tandem_generation_tokens", "Tokens generated", c["generation_tokens"])
-        yield counter("tandem_preemptions", "Requests preempted for lack of KV blocks",
-                      s.num_preemptions)
+        yield counter(
+            "tandem_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions
+        )
 
 
 def worker_registry(

@@ -10,8 +10,14 @@ from tandem.engine.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
 MAX_PROMPT_TOKENS = 1 << 20
-_KEYS = {"request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params",
-         "remote_decode", "priority"}
+_KEYS = {
+    "request_id",
+    "prompt_token_ids",
+    "sampling_params",
+    "kv_transfer_params",
+    "remote_decode",
+    "priority",
+}
 
 
 @dataclass(slots=True, frozen=True)

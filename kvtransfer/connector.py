@@ -387,6 +387,7 @@ class ZmqKVConnector:
         except p.ProtocolError as exc:
             self._reject(ident, exc.code, exc.message)
             return
+        log.debug("kv side channel: %s from %s", type(msg).__name__, ident.hex()[:8])
         match msg:
             case p.Hello():
                 self._on_hello(ident, msg)
@@ -709,6 +710,7 @@ class ZmqKVConnector:
             log.warning("kv side channel: bad reply from %s: %s", peer.address, exc)
             self._count_failure(FailureReason.BAD_MESSAGE)
             return
+        log.debug("kv side channel: %s from %s", type(msg).__name__, peer.address)
         match msg:
             case p.HelloOk():
                 problem = layout_mismatch(self.layout, msg.layout)

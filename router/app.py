@@ -300,6 +300,7 @@ async def _handle(s: RouterState, request: Request, kind: Kind) -> Response:
             )
         request_id = ("chatcmpl-" if kind is Kind.CHAT else "cmpl-") + uuid.uuid4().hex
         jobs, prompt_tokens = _make_jobs(s, req, request_id)
+        s.metrics.prompt_tokens.labels(s.metrics.model).inc(prompt_tokens)
         builder = ResponseBuilder(
             kind,
             request_id,
@@ -457,40 +458,49 @@ async def _sse_body(
 
 
 class _Timing:
-    """TTFT, ITL and end-to-end latency of one request, as the client sees them."""
+    """TTFT, ITL and end-to-end latency of one request.
+
+    In P->D mode TTFT is taken at the first token from decode (covering prefill, KV transfer and
+    the first decode step), although prefill's token already reached the client; ITL then measures
+    decode steps only. TTFT is observed once per request, at its first choice to get there.
+    """
 
     def __init__(self, metrics: RouterMetrics, arrival: float, num_choices: int) -> None:
         self._m = metrics
         self._arrival = arrival
-        self._first: float | None = None
+        self._ttft_done = False
         self._last: list[float | None] = [None] * num_choices
         self._tokens = 0
         self._done = False
 
     def on_event(self, ev: TokenEvent) -> None:
         n = len(ev.token_ids)
-        if n == 0:
+        self._tokens += n
+        if n == 0 and ev.finish_reason is None:
             return
+        if ev.handoff:
+            return  # wait for decode's first token
         now = time.monotonic()
         model = self._m.model
-        if self._first is None:
-            self._first = now
-            self._m.ttft.labels(model).observe(now - self._arrival)
-            n_itl = n - 1
+        prev = self._last[ev.choice]
+        if prev is None:
+            if not self._ttft_done:
+                self._ttft_done = True
+                self._m.ttft.labels(model).observe(now - self._arrival)
+            n_itl = n - 1  # the first token of a choice has no inter-token gap before it
         else:
             n_itl = n
-        prev = self._last[ev.choice]
         if prev is not None and n_itl > 0:
             for _ in range(n_itl):
                 self._m.itl.labels(model).observe((now - prev) / n_itl)
-        self._last[ev.choice] = now
-        self._tokens += n
+        if n:
+            self._last[ev.choice] = now
 
     def finish(self) -> None:
         if self._done:
             return
         self._done = True
         model = self._m.model
-        if self._first is not None:
+        if self._tokens:  # requests that failed before any output are not latency samples
             self._m.e2e.labels(model).observe(time.monotonic() - self._arrival)
         self._m.generation_tokens.labels(model).inc(self._tokens)

@@ -62,6 +62,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per worker call would drown the log (and cost time) at any real request rate.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config = RouterConfig(
         model=args.model,
         model_path=args.tokenizer,

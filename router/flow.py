@@ -62,6 +62,10 @@ class TokenEvent:
     choice: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # True for a prefill worker's first token when decode follows: the TTFT metric waits for the
+    # first decode token, so it covers prefill, KV transfer and the first decode step, and ITL
+    # measures decode alone.
+    handoff: bool = False
     logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -243,6 +247,7 @@ async def _remote_prefill(
             async with contextlib.aclosing(_worker_stream(ctx, p, body)) as chunks:
                 async for chunk in chunks:
                     ev = _event(job.index, chunk)
+                    ev.handoff = chunk.get("finish_reason") == "remote_decode"
                     if ev.token_ids or ev.text or ev.finish_reason in FINAL_REASONS:
                         emitted = True
                         emit(ev)

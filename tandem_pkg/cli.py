@@ -1,5 +1,4 @@
-"""The `tandem` command: one entry point, subcommands imported lazily (the operator needs no torch).
-"""
+"""The `tandem` command. Subcommands import lazily: the operator needs no torch."""
 
 from __future__ import annotations
 

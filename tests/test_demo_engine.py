@@ -20,8 +20,11 @@ def test_demo_task_accuracy_through_llm_generate() -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     correct = sum(o.text == expected_answer(s) for s, o in zip(inputs, outs, strict=True))
     assert correct / len(inputs) >= 0.95, f"{correct}/{len(inputs)}"
-    assert all(o.finish_reason == "stop" for o, s in zip(outs, inputs, strict=True)
-               if o.text == expected_answer(s))
+    assert all(
+        o.finish_reason == "stop"
+        for o, s in zip(outs, inputs, strict=True)
+        if o.text == expected_answer(s)
+    )
     llm.engine.check_integrity()
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import tandem.engine.demo as demo
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+import tandem.engine.demo as demo
 from tandem.engine.demo import task
 from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
 from tandem.engine.demo.train import (
@@ -18,7 +20,6 @@ from tandem.engine.demo.train import (
     lr_at,
     training_inputs,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 ROUND_TRIP_TEXTS = [
     "hello, world! 123",

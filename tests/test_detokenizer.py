@@ -2,10 +2,11 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "héllo wörld",

@@ -46,7 +46,9 @@ def submit(engine: Engine, rid: str, prompt: list[int], **fields: Any) -> None:
 
 
 def run_until(
-    engines: list[Engine], done: Callable[[], bool], sink: Callable[[EngineOutput], None],
+    engines: list[Engine],
+    done: Callable[[], bool],
+    sink: Callable[[EngineOutput], None],
     timeout: float = 30.0,
 ) -> None:
     deadline = time.monotonic() + timeout
@@ -186,15 +188,23 @@ def test_two_prefill_two_decode_crossing_traffic(llama_gqa_path: Path) -> None:
         firsts: dict[str, EngineOutput] = {}
         for i, (rid, prompt) in enumerate(prompts.items()):
             submit(ps[i % 2], rid, prompt, remote_decode=True)
-        run_until(ps, lambda: not any(p.has_unfinished for p in ps),
-                  lambda o: firsts.__setitem__(o.request_id, o))
+        run_until(
+            ps,
+            lambda: not any(p.has_unfinished for p in ps),
+            lambda o: firsts.__setitem__(o.request_id, o),
+        )
         # P0's requests go to D0 and D1 alike, and so do P1's: every pair transfers at once.
         tokens = {rid: list(o.new_token_ids) for rid, o in firsts.items()}
         for i, (rid, prompt) in enumerate(prompts.items()):
             submit(ds[(i // 2) % 2], rid, prompt, kv_transfer_params=firsts[rid].kv_transfer_params)
         outs: list[EngineOutput] = []
-        run_until(ds + ps, lambda: not any(e.has_unfinished for e in ds)
-                  and not any(p.scheduler.pinned for p in ps), outs.append)
+        run_until(
+            ds + ps,
+            lambda: (
+                not any(e.has_unfinished for e in ds) and not any(p.scheduler.pinned for p in ps)
+            ),
+            outs.append,
+        )
         for o in outs:
             assert o.error is None
             tokens[o.request_id] += o.new_token_ids

@@ -105,7 +105,9 @@ def test_demo_model_matches_hf() -> None:
 
     path = weights_path()
     llm = LLM("demo")
-    prompts = [llm.tokenizer.encode(raw_prompt(s), add_special_tokens=False) for s in sample_inputs(6, 11)]
+    prompts = [
+        llm.tokenizer.encode(raw_prompt(s), add_special_tokens=False) for s in sample_inputs(6, 11)
+    ]
     prompts += random_prompts(5, 256, (16, 33))
     expected = hf_greedy(path, prompts, 12)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

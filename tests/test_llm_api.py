@@ -52,7 +52,9 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
 
 def test_bad_request_mid_stream_does_not_disturb_running_ones(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request("good", prompt(2, 9), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "good", prompt(2, 9), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
     engine.step()
     with pytest.raises(ValueError, match="top_p"):
         engine.add_request("bad", prompt(2, 9), SamplingParams(top_p=2.0))
@@ -64,13 +66,17 @@ def test_bad_request_mid_stream_does_not_disturb_running_ones(llm: LLM) -> None:
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(llm: LLM) -> None:
-    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    p = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
+    )
     alone = llm.generate([prompt(3, 20)], p)[0].token_ids
     others = [prompt(9, 7), prompt(10, 33)]
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     batch = llm.generate([others[0], prompt(3, 20), others[1]], [noise, p, noise])
     assert batch[1].token_ids == alone
-    p2 = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=12, ignore_eos=True)
+    p2 = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=12, ignore_eos=True
+    )
     assert llm.generate([prompt(3, 20)], p2)[0].token_ids != alone
 
 
@@ -100,7 +106,9 @@ def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
 
 
 def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, skip_special_tokens=False)
+    greedy = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, skip_special_tokens=False
+    )
     full = llm.generate([prompt(6, 10)], greedy)[0]
     text = full.text
     assert len(text) >= 3
@@ -108,7 +116,9 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
     cut = text.index(stop)
     out = llm.generate(
         [prompt(6, 10)],
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], skip_special_tokens=False),
+        SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], skip_special_tokens=False
+        ),
     )[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop

@@ -3,6 +3,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from tandem.engine.sampler import Sampler, SamplingRow, apply_penalties
 from tandem.engine.sampling_params import SamplingParams
 

@@ -2,6 +2,7 @@ import json
 
 import msgpack
 import pytest
+
 from tandem.engine.sampling_params import SamplingParams
 
 

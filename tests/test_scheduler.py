@@ -13,9 +13,16 @@ BS = 4
 
 
 def make(rid: str, n: int, priority: int = 0, arrival: float = 0.0) -> Request:
-    return Request(rid, list(range(100, 100 + n)), SamplingParams(temperature=0, max_tokens=50),
-                   eos_token_ids=frozenset(), block_size=BS, priority=priority,
-                   arrival_time=arrival, max_tokens=50)
+    return Request(
+        rid,
+        list(range(100, 100 + n)),
+        SamplingParams(temperature=0, max_tokens=50),
+        eos_token_ids=frozenset(),
+        block_size=BS,
+        priority=priority,
+        arrival_time=arrival,
+        max_tokens=50,
+    )
 
 
 def scheduler(num_blocks: int = 32, **cfg: int) -> Scheduler:

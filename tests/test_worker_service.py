@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from procs import Proc, free_port, wait_healthy
+
 from tandem import LLM, SamplingParams
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -19,8 +19,16 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 def start(role: str, model: Path, tmp: Path, *extra: str) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc(
-        [role, "--model", str(model), "--port", str(port), "--engine-option", "num_blocks=64",
-         *extra],
+        [
+            role,
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--engine-option",
+            "num_blocks=64",
+            *extra,
+        ],
         tmp,
         f"{role}-{port}",
     )
@@ -64,17 +72,32 @@ def test_info_and_health(workers: dict) -> None:
 def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path: Path) -> None:
     p = prompt(0, 37)
     expected = LLM(str(llama_gqa_path), num_blocks=64).generate([p], SamplingParams(**GREEDY))
-    chunks = generate(workers["colocated"], {"request_id": "c1", "prompt_token_ids": p,
-                                             "sampling_params": GREEDY})
+    chunks = generate(
+        workers["colocated"], {"request_id": "c1", "prompt_token_ids": p, "sampling_params": GREEDY}
+    )
     assert [t for c in chunks for t in c["token_ids"]] == expected[0].token_ids
     assert chunks[-1]["finish_reason"] == "length"
 
-    first = generate(workers["prefill"], {"request_id": "pd1", "prompt_token_ids": p,
-                                          "sampling_params": GREEDY, "remote_decode": True})
+    first = generate(
+        workers["prefill"],
+        {
+            "request_id": "pd1",
+            "prompt_token_ids": p,
+            "sampling_params": GREEDY,
+            "remote_decode": True,
+        },
+    )
     assert first[-1]["finish_reason"] == "remote_decode"
     kv = first[-1]["kv_transfer_params"]
-    rest = generate(workers["decode"], {"request_id": "pd1", "prompt_token_ids": p,
-                                        "sampling_params": GREEDY, "kv_transfer_params": kv})
+    rest = generate(
+        workers["decode"],
+        {
+            "request_id": "pd1",
+            "prompt_token_ids": p,
+            "sampling_params": GREEDY,
+            "kv_transfer_params": kv,
+        },
+    )
     tokens = [t for c in first + rest for t in c["token_ids"]]
     assert tokens == expected[0].token_ids
     text = "".join(c["text"] for c in first + rest)
@@ -85,8 +108,10 @@ def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path
     ("body", "param"),
     [
         ({"request_id": "x", "prompt_token_ids": [], "sampling_params": {}}, "prompt_token_ids"),
-        ({"request_id": "x", "prompt_token_ids": [1], "sampling_params": {"top_p": 7}},
-         "sampling_params"),
+        (
+            {"request_id": "x", "prompt_token_ids": [1], "sampling_params": {"top_p": 7}},
+            "sampling_params",
+        ),
         ({"request_id": "x", "prompt_token_ids": [1], "bogus": 1}, "bogus"),
         ({"request_id": 5, "prompt_token_ids": [1]}, "request_id"),
         ({"request_id": "x", "prompt_token_ids": [1] * 600}, "prompt_token_ids"),
@@ -101,18 +126,26 @@ def test_bad_requests_get_400_naming_the_field(workers: dict, body: dict, param:
 def test_garbage_body_is_400_and_worker_keeps_serving(workers: dict) -> None:
     r = httpx.post(f"{workers['colocated']}/v1/internal/generate", content=b"\x00\xffnot json")
     assert r.status_code == 400
-    chunks = generate(workers["colocated"], {"request_id": "after", "prompt_token_ids": [1, 2],
-                                             "sampling_params": GREEDY})
+    chunks = generate(
+        workers["colocated"],
+        {"request_id": "after", "prompt_token_ids": [1, 2], "sampling_params": GREEDY},
+    )
     assert chunks[-1]["finish_reason"] == "length"
 
 
 def test_metrics_expose_the_design_names(workers: dict) -> None:
     text = httpx.get(f"{workers['decode']}/metrics").text
-    for name in ("tandem_requests_running", "tandem_requests_waiting",
-                 "tandem_kv_cache_usage_ratio", "tandem_prefix_cache_queried_tokens_total",
-                 "tandem_prefix_cache_hit_tokens_total", "tandem_prompt_tokens_total",
-                 "tandem_generation_tokens_total", "tandem_preemptions_total",
-                 "tandem_kv_transfer_bytes_total"):
+    for name in (
+        "tandem_requests_running",
+        "tandem_requests_waiting",
+        "tandem_kv_cache_usage_ratio",
+        "tandem_prefix_cache_queried_tokens_total",
+        "tandem_prefix_cache_hit_tokens_total",
+        "tandem_prompt_tokens_total",
+        "tandem_generation_tokens_total",
+        "tandem_preemptions_total",
+        "tandem_kv_transfer_bytes_total",
+    ):
         assert name in text, name
     assert 'role="decode"' in text
 
@@ -128,8 +161,11 @@ def test_client_disconnect_aborts_and_frees_blocks(workers: dict) -> None:
     from procs import wait_for
 
     url = workers["colocated"]
-    body = {"request_id": "gone", "prompt_token_ids": prompt(3, 40),
-            "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}}
+    body = {
+        "request_id": "gone",
+        "prompt_token_ids": prompt(3, 40),
+        "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
+    }
     with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)

@@ -65,7 +65,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, num_heads, head_dim]."""
+        """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, heads, head_dim]."""
         ...
 
 

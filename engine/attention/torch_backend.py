@@ -93,7 +93,11 @@ class TorchAttentionBackend:
         vals = v_cache[table].reshape(b, nblocks * bs, *v_cache.shape[2:]).transpose(1, 2)
         mask = torch.arange(nblocks * bs, device=q.device)[None, :] < meta.seq_lens[:, None]
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :], scale=scale,
+            q[:, :, None, :],
+            keys,
+            vals,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
             enable_gqa=True,
         )
         return o[:, :, 0, :]

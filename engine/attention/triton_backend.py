@@ -10,6 +10,7 @@ batch. Nothing is gathered into padded tensors. Runs on CUDA, or on CPU under TR
 from __future__ import annotations
 
 import torch
+
 from tandem.engine.attention.backend import AttentionMetadata
 from tandem.kernels.decode_attention import paged_decode_attention
 from tandem.kernels.extend_attention import paged_extend_attention

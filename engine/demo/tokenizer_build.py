@@ -8,6 +8,10 @@ no unknown token. Called by train.py, which saves the result next to the weights
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
+
 from tandem.engine.demo.task import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
@@ -17,9 +21,6 @@ from tandem.engine.demo.task import (
     SYSTEM_TOKEN,
     USER_TOKEN,
 )
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
 
 NUM_BYTES = 256
 VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)

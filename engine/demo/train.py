@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
 from tandem.engine.demo import task
 from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 DEFAULT_OUT = Path(__file__).resolve().parent / "weights"

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over paged KV, for packed variable-length batches.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over paged KV, for packed variable-length input.
 
 Inputs are flattened: ``input_ids``/``positions`` are [num_tokens]; the attention backend knows
 from the step's AttentionMetadata which tokens belong to which sequence.

@@ -100,7 +100,9 @@ def load_model(path: Path, dtype: torch.dtype, device: str, use_kernels: bool) -
 def _rope_for(cfg: ModelArchConfig) -> torch.Tensor:
     from tandem.engine.models.rotary import cos_sin_cache
 
-    return cos_sin_cache(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+    return cos_sin_cache(
+        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+    )
 
 
 def _map_name(

@@ -136,6 +136,7 @@ async def test_max_tokens_one_finishes_at_prefill(make_cluster: Any, oai: Any) -
     r = await oai(c.url).completions.create(model=MODEL, prompt="qrs", max_tokens=1)
     assert (r.choices[0].text, r.choices[0].finish_reason) == ("s", "length")
     assert c.workers[1].generate_calls == []
+    assert c.metric("tandem_time_to_first_token_seconds_count") == 1
 
 
 async def test_logprobs_chat_and_completion(make_cluster: Any, oai: Any) -> None:
@@ -171,9 +172,12 @@ async def test_models_health_metrics(make_cluster: Any, oai: Any) -> None:
         "tandem_router_placements_total",
     ):
         assert name in text
+    # P's token, then D's two: TTFT waits for D's first token, one ITL sample between D's tokens.
     assert c.metric("tandem_time_to_first_token_seconds_count") == 1
-    assert c.metric("tandem_inter_token_latency_seconds_count") == 2
+    assert c.metric("tandem_inter_token_latency_seconds_count") == 1
     assert c.metric("tandem_e2e_request_latency_seconds_count") == 1
+    assert c.metric("tandem_router_prompt_tokens_total") == 8
+    assert c.metric("tandem_router_generation_tokens_total") == 3
 
 
 # -- bad input --------------------------------------------------------------------------------
