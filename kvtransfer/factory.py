@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import zmq.asyncio
+
 from tandem.kvtransfer.connector import Role, ZmqKVConnector
 from tandem.kvtransfer.metrics import KVTransferMetrics
 from tandem.kvtransfer.tcp_transport import TcpRecvTransport, TcpSendTransport
@@ -25,12 +26,16 @@ def create_connector(
     metrics: KVTransferMetrics | None = None,
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    advertise_host: str | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
     ``transport`` is ``"ucx"`` (ucxx; TCP/shared-memory/CUDA transports as UCX_TLS allows) or
     ``"tcp"`` (pyzmq). The caller owns the connector and must ``close()`` it; ``kv_cache`` stays
     the caller's and must outlive it. Each construction gets a fresh ``engine_id``.
+    ``host`` is where the side channel (and the TCP data socket) listen; ``advertise_host`` is
+    the address decode workers dial (the pod IP when ``host`` is ``0.0.0.0``); default ``host``.
+    ``transfer_timeout`` bounds each pull phase, ``handshake_timeout`` the first contact.
     """
     try:
         role_enum = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}[role]
@@ -71,4 +76,5 @@ def create_connector(
         metrics=metrics,
         transfer_timeout=transfer_timeout,
         handshake_timeout=handshake_timeout,
+        advertise_host=advertise_host,
     )

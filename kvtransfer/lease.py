@@ -48,6 +48,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def in_flight(self, request_id: str) -> int:
+        lease = self._leases.get(request_id)
+        return 0 if lease is None else lease.in_flight
+
     def is_active(self, request_id: str) -> bool:
         """True while decode may still pull: known and not being released."""
         lease = self._leases.get(request_id)

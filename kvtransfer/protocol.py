@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 import msgpack
+
 from tandem.kvtransfer.types import (
     COMPATIBLE_FIELDS,
     MAX_BLOCKS_PER_REQUEST,

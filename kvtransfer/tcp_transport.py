@@ -19,6 +19,7 @@ import msgpack
 import torch
 import zmq
 import zmq.asyncio
+
 from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,14 @@ class TcpSendTransport:
         self._reader: asyncio.Task[None] | None = None
         self.data_address = ""
 
-    async def start(self, host: str) -> None:
+    async def start(self, host: str, advertise_host: str) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # this socket only ever receives "ready"
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(f"tcp://{host}:0")
-        self.data_address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        port = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        self.data_address = f"tcp://{advertise_host}:{port}"
         self._sock = sock
         self._reader = asyncio.ensure_future(self._read())
 
@@ -107,6 +109,7 @@ class _Waiter:
 class TcpRecvTransport:
     name = "tcp"
     cancel_safe = True
+    self_delimiting = True
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx

@@ -30,7 +30,9 @@ class SendTransport(Protocol):
     name: str
     data_address: str  # advertised in HELLO_OK; empty until start() returns
 
-    async def start(self, host: str) -> None: ...
+    async def start(self, host: str, advertise_host: str) -> None:
+        """Listen on ``host``; ``data_address`` names ``advertise_host`` (what peers dial)."""
+        ...
 
     async def send(
         self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
@@ -53,6 +55,9 @@ class RecvTransport(Protocol):
 
     name: str
     cancel_safe: bool
+    # True when a completed wait() proves every byte of every segment arrived (TCP checks sizes
+    # in its header); False when only prefill's PULL_DONE can say the sends were whole (UCX).
+    self_delimiting: bool
 
     def new_xfer_id(self) -> int:
         """A transfer id unique among all transfers this process receives."""

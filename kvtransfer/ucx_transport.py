@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
 from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,13 @@ class UcxSendTransport:
         self._eps: dict[bytes, Any] = {}
         self.data_address = ""
 
-    async def start(self, host: str) -> None:
+    async def start(self, host: str, advertise_host: str) -> None:
+        # ucxx listeners bind every interface; ``host`` only matters for the side channel
         async def listen() -> Any:
             return self._rt.ucxx.create_listener(self._on_connect, port=0)
 
         self._listener = await self._rt.run(listen())
-        self.data_address = f"{host}:{self._listener.port}"
+        self.data_address = f"{advertise_host}:{self._listener.port}"
 
     async def _on_connect(self, ep: Any) -> None:
         token = np.zeros(TOKEN_BYTES, dtype=np.uint8)
@@ -160,6 +162,7 @@ class UcxSendTransport:
 class UcxRecvTransport:
     name = "ucx"
     cancel_safe = False
+    self_delimiting = False
 
     def __init__(self, runtime: UcxRuntime) -> None:
         self._rt = runtime

@@ -112,6 +112,9 @@ class Controller:
         self.http = http
         self.cfg = cfg
         self.metrics = metrics
+        # Set at operator shutdown: passes still in flight stop quietly instead of failing
+        # (a failure would be stored as a delayed retry on the object).
+        self.closing = False
 
     async def fetch(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.client.get(object_path(f"{GROUP}/{VERSION}", KIND, namespace, name))
@@ -124,7 +127,18 @@ class Controller:
     async def reconcile(
         self, namespace: str, name: str, state: ObjectState, autoscale: bool = False
     ) -> None:
-        if state.queued and not autoscale:
+        try:
+            await self._reconcile(namespace, name, state, autoscale)
+        except Exception:
+            if self.closing:
+                return
+            self.metrics.reconciles.labels("error").inc()
+            raise
+
+    async def _reconcile(
+        self, namespace: str, name: str, state: ObjectState, autoscale: bool
+    ) -> None:
+        if self.closing or (state.queued and not autoscale):
             return
         state.queued = True
         try:
@@ -281,6 +295,8 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         # Only warnings logged by Kopf become Events; ours are posted explicitly (kopf.event).
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
+        # Deletion waits for a running resync pass to end; re-check every 2 s, not Kopf's 60.
+        settings.background.cancellation_polling = 2
         client = KubeClient(_login)
         http = aiohttp.ClientSession()
         shared["controller"] = Controller(client, http, cfg, metrics)
@@ -291,24 +307,29 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     async def cleanup(**_: Any) -> None:
         controller = shared.pop("controller", None)
         if controller is not None:
+            controller.closing = True
             await controller.client.close()
             await controller.http.close()
         runner = shared.pop("metrics_runner", None)
         if runner is not None:
             await runner.cleanup()
 
-    @kopf.on.resume(*resource, registry=registry)
-    @kopf.on.create(*resource, registry=registry)
-    @kopf.on.update(*resource, registry=registry)
+    # Failures are API errors worth retrying soon, not Kopf's default minute later.
+    @kopf.on.resume(*resource, backoff=5, registry=registry)
+    @kopf.on.create(*resource, backoff=5, registry=registry)
+    @kopf.on.update(*resource, backoff=5, registry=registry)
     async def apply(name: str, namespace: str, **_: Any) -> None:
-        await shared["controller"].reconcile(namespace, name, object_state(namespace, name))
+        controller = shared.get("controller")
+        if controller is not None:
+            await controller.reconcile(namespace, name, object_state(namespace, name))
 
-    @kopf.timer(*resource, interval=cfg.resync_seconds, registry=registry)
+    @kopf.timer(*resource, interval=cfg.resync_seconds, backoff=5, registry=registry)
     async def resync(name: str, namespace: str, **_: Any) -> None:
-        state = object_state(namespace, name)
-        await shared["controller"].reconcile(namespace, name, state, autoscale=True)
+        controller = shared.get("controller")
+        if controller is not None:
+            await controller.reconcile(namespace, name, object_state(namespace, name), True)
 
-    @kopf.on.delete(*resource, registry=registry)
+    @kopf.on.delete(*resource, backoff=5, registry=registry)
     async def delete(name: str, namespace: str, uid: str, body: kopf.Body, **_: Any) -> None:
         controller = shared["controller"]
         state = states.pop((namespace, name), None) or ObjectState()

@@ -15,6 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible router")
     p.add_argument("--model", default="demo", help="served model: 'demo' or a local HF directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model)")
+    p.add_argument(
+        "--served-model-name", default=None,
+        help="name clients and workers use (default: --model as given); match the workers'",
+    )  # fmt: skip
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="prefix-aware",
@@ -58,15 +62,21 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from tandem.router.app import RouterConfig, create_app
+    from tandem.router.tokenizer import resolve_model_path
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # One line per worker call would drown the log (and cost time) at any real request rate.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        model_path = args.tokenizer or str(resolve_model_path(args.model))
+    except FileNotFoundError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
-        model=args.model,
-        model_path=args.tokenizer,
+        model=args.served_model_name or args.model,
+        model_path=model_path,
         policy=Policy.parse(args.policy),
         local_prefill_threshold=args.local_prefill_threshold,
         api_keys=keys,

@@ -37,7 +37,6 @@ from tandem.router.placement import (
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.registry import Role, WorkerRegistry, WorkerState
 from tandem.router.worker_client import (
-    GenerateStream,
     WorkerClient,
     WorkerRejected,
     WorkerUnavailable,
@@ -100,6 +99,14 @@ class FlowContext:
     client: WorkerClient
     metrics: RouterMetrics
     config: FlowConfig
+    _aborts: set[asyncio.Task[bool]] = field(default_factory=set)
+
+    def abort_soon(self, worker_url: str, request_id: str) -> None:
+        """Send an abort in the background: the caller (a failing or cancelled choice) must not
+        wait up to the control timeout on a hung worker. The task survives the caller's cancel."""
+        task = asyncio.create_task(self.client.abort(worker_url, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def candidates(self, workers: list[WorkerState], job: ChoiceJob) -> list[Candidate]:
         out = []
@@ -259,7 +266,7 @@ async def _remote_prefill(
                             raise WorkerUnavailable("prefill finished without kv_transfer_params")
                         return params
         except WorkerUnavailable as exc:
-            ctx.metrics.prefill_failures.labels(ctx.metrics.model).inc()
+            ctx.metrics.prefill_failures.inc()
             if emitted:
                 raise ChoiceFailed(f"prefill worker failed after its first token: {exc}") from exc
         except WorkerRejected as exc:
@@ -338,16 +345,10 @@ async def _worker_stream(
                 return
     finally:
         worker.inflight -= 1
-        # Shielded: a second cancellation (client gone, gather cancelled) must not skip the abort.
-        await asyncio.shield(_close(ctx, stream, url, body["request_id"], abort=not finished))
-
-
-async def _close(
-    ctx: FlowContext, stream: GenerateStream, url: str, request_id: str, abort: bool
-) -> None:
-    if abort:
-        await ctx.client.abort(url, request_id)
-    await stream.aclose()
+        if not finished:
+            ctx.abort_soon(url, body["request_id"])
+        # Shielded: a second cancellation (client gone, gather cancelled) must not leak the stream.
+        await asyncio.shield(stream.aclose())
 
 
 def _event(index: int, chunk: dict[str, Any]) -> TokenEvent:

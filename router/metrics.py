@@ -12,7 +12,8 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120
 
 
 class RouterMetrics:
-    """Created by ``create_app``; handlers and the flow record into it."""
+    """Created by ``create_app``; handlers and the flow record into it. Series labelled only by
+    model are bound to their child once, so recording skips the label lookup."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -26,15 +27,15 @@ class RouterMetrics:
             "tandem_time_to_first_token_seconds",
             "Arrival to first token sent (includes prefill, KV transfer, first decode step)",
             ["model"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.itl = Histogram(
             "tandem_inter_token_latency_seconds", "Time between consecutive output tokens",
             ["model"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.e2e = Histogram(
             "tandem_e2e_request_latency_seconds", "Arrival to last token of a request",
             ["model"], buckets=_E2E_BUCKETS, registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.placements = Counter(
             "tandem_router_placements_total", "Placement decisions by pool, policy and reason",
             ["model", "pool", "policy", "reason"], registry=r,
@@ -42,22 +43,22 @@ class RouterMetrics:
         self.prefill_failures = Counter(
             "tandem_router_prefill_failures_total", "Remote prefill attempts that failed",
             ["model"], registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.kv_resyncs = Counter(
             "tandem_router_kv_event_resyncs_total", "Prefix-index resyncs after lost events",
             ["model"], registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.workers = Gauge(
             "tandem_router_workers", "Registered workers by role", ["model", "role"], registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "tandem_router_prompt_tokens_total", "Prompt tokens of served requests", ["model"],
             registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
         self.generation_tokens = Counter(
             "tandem_router_generation_tokens_total", "Output tokens streamed to clients",
             ["model"], registry=r,
-        )  # fmt: skip
+        ).labels(model)  # fmt: skip
 
     def request(self, route: str, code: int) -> None:
         self.requests.labels(self.model, route, str(code)).inc()

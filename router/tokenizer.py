@@ -30,6 +30,7 @@ class PromptEncoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        self._vocab_size = len(tokenizer)  # len() walks the added vocabulary: cache it
 
     @classmethod
     def load(cls, model_path: Path) -> PromptEncoder:
@@ -63,7 +64,7 @@ class PromptEncoder:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def vocab_size(self) -> int:
-        return len(self._tok)
+        return self._vocab_size
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)

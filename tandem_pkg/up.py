@@ -307,6 +307,8 @@ def parse_config(argv: list[str]) -> UpConfig:
 
 def _port_is_free(host: str, port: int) -> bool:
     with socket.socket() as s:
+        # As uvicorn binds: a port in TIME_WAIT from a previous run is free to reuse.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -18,6 +18,7 @@ from tandem.engine.demo.train import (
     encode_example,
     greedy_answers,
     lr_at,
+    train,
     training_inputs,
 )
 
@@ -37,7 +38,6 @@ def tokenizer() -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    torch.set_num_threads(2)
     m = AutoModelForCausalLM.from_pretrained(demo.weights_path(), dtype=torch.float32)
     m.eval()
     return m
@@ -102,6 +102,20 @@ def test_lr_schedule() -> None:
     assert lr_at(499, cfg, 500) == pytest.approx(1e-3)
     assert lr_at(599, cfg, 500) == pytest.approx(1e-3 * (1 - 0.9 * 0.5))
     assert lr_at(699, cfg, 500) == pytest.approx(1e-4)
+
+
+def test_training_is_reproducible_from_seed() -> None:
+    tok = build_tokenizer()
+
+    def run(seed: int) -> dict[str, torch.Tensor]:
+        cfg = TrainConfig(
+            seed=seed, max_steps=3, warmup_steps=1, decay_steps=2, batch_size=4, eval_every=1000
+        )
+        return train(cfg, tok).state_dict()
+
+    first, again, other = run(0), run(0), run(1)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["lm_head.weight"], other["lm_head.weight"])
 
 
 def test_train_config_rejects_bad_values() -> None:

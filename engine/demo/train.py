@@ -258,8 +258,12 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _inline_chat_template(out)
+    _portable_tokenizer_config(out)
     _add_legacy_config_keys(out)
+    for path in out.iterdir():
+        # safetensors writes 0600; the weights ship in the package and images run as non-root.
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def _add_legacy_config_keys(out: Path) -> None:
@@ -274,9 +278,9 @@ def _add_legacy_config_keys(out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _inline_chat_template(out: Path) -> None:
-    """Keeps the chat template inside tokenizer_config.json, where every transformers version
-    (4.x and 5.x) finds it, and names the portable PreTrainedTokenizerFast class."""
+def _portable_tokenizer_config(out: Path) -> None:
+    """Rewrites tokenizer_config.json in the spelling both transformers 4.x and 5.x read: the chat
+    template inline, the PreTrainedTokenizerFast class, additional_special_tokens as a list."""
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     jinja = out / "chat_template.jinja"
@@ -284,6 +288,8 @@ def _inline_chat_template(out: Path) -> None:
         config["chat_template"] = jinja.read_text()
         jinja.unlink()
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if "extra_special_tokens" in config:
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -317,11 +323,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(cfg.threads)
     tokenizer = build_tokenizer()
     start = time.monotonic()
-    model = train(cfg, tokenizer, on_best=lambda m, _step, _acc: save(m, tokenizer, args.out))
+    # Saved tokenizers are built fresh: calling one with padding=True leaves padding state behind.
+    model = train(
+        cfg, tokenizer, on_best=lambda m, _step, _acc: save(m, build_tokenizer(), args.out)
+    )
     train_seconds = time.monotonic() - start
     held_out = task.held_out_inputs()
     acc = accuracy(model, tokenizer, held_out)
-    save(model, tokenizer, args.out)
+    save(model, build_tokenizer(), args.out)
     params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from kvt_helpers import SMALL, kv_cache
+
 from tandem.kvtransfer import KVLayout, create_connector
 from tandem.kvtransfer.connector import ZmqKVConnector
 

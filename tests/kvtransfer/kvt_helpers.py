@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
 from tandem.kvtransfer import KVLayout
 from tandem.kvtransfer.connector import ZmqKVConnector
 

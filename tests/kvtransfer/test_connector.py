@@ -6,9 +6,15 @@ import msgpack
 import pytest
 import torch
 import zmq
-from kvt_helpers import SMALL, Collector, wait_until
+from kvt_helpers import SMALL, Collector
 from prometheus_client import CollectorRegistry
-from tandem.kvtransfer import FailureReason, KVLayout, create_kv_transfer_metrics
+
+from tandem.kvtransfer import (
+    FailureReason,
+    KVLayout,
+    KVTransferParams,
+    create_kv_transfer_metrics,
+)
 from tandem.kvtransfer import protocol as p
 
 TRANSPORTS = ["tcp", "ucx"]
@@ -106,29 +112,53 @@ def test_lease_expires_when_decode_never_pulls(make) -> None:
 
 
 def test_decode_renews_lease_while_load_pending(make) -> None:
-    # decode keeps a load pending behind a slow handshake-free path: renewals must keep
-    # prefill's short lease alive across several lease lengths.
-    pre = make("tcp", "prefill", seed=3, lease_seconds=0.4)
-    dec = make("tcp", "decode")
-    pc, dc = Collector(pre), Collector(dec)
-    warm = pre.publish("warm", [0], 16, 1)
-    dec.start_load("d-warm", warm, [0], [0])
-    assert dc.load("d-warm").ok
-    params = pre.publish("held", [5], 16, 1)
-    peer = dec._peers[params.side_channel]
-    load_started = wait_until(lambda: peer.engine_id, what="handshake")
-    assert load_started
-    # register a pending load without pulling: only renewals can keep "held" alive
-    from tandem.kvtransfer.connector import _Load
-
-    fake = _Load("d-held", params, [])
-    dec._loop.call_soon_threadsafe(peer.loads.__setitem__, "held", fake)
-    deadline = __import__("time").monotonic() + 1.5
-    while __import__("time").monotonic() < deadline:
-        pc.poll()
-        assert "held" not in pc.released
-    dec._loop.call_soon_threadsafe(peer.loads.pop, "held")
-    pc.release("held", timeout=5.0)
+    """A fake prefill that accepts the handshake but never answers the PULL: the pending load
+    must renew its lease every third of it, and give up with TIMEOUT, never success."""
+    ctx = zmq.Context.instance()
+    side, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    side_port = side.bind_to_random_port("tcp://127.0.0.1")
+    data_port = data.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        dec = make("tcp", "decode", transfer_timeout=2.0)
+        dc = Collector(dec)
+        params = KVTransferParams.from_dict(
+            {
+                "engine_id": "fake",
+                "side_channel": f"tcp://127.0.0.1:{side_port}",
+                "remote_request_id": "req",
+                "block_ids": [1, 2],
+                "num_tokens": 32,
+                "first_token_id": 1,
+                "lease_seconds": 0.6,
+            }
+        )
+        dec.start_load("d", params, [1, 2], [1, 2])
+        ident, hello = side.recv_multipart()
+        assert isinstance(p.decode_message(hello), p.Hello)
+        reply = p.HelloOk("fake", "tcp", SMALL, f"tcp://127.0.0.1:{data_port}")
+        side.send_multipart([ident, p.encode_message(reply)])
+        data_ident, ready = data.recv_multipart()
+        assert (data_ident, ready) == (ident, b"ready")
+        data.send_multipart([data_ident, b"ready"])
+        seen = []
+        while len([m for m in seen if isinstance(m, p.Renew)]) < 3:
+            assert side.poll(3000), f"no renewal; saw {seen}"
+            seen.append(p.decode_message(side.recv_multipart()[1]))
+        renews = [m for m in seen if isinstance(m, p.Renew)]
+        assert all(m == p.Renew("fake", ("req",)) for m in renews)
+        assert isinstance(seen[0], p.Pull) and seen[0].segments == ((1, 2),)
+        result = dc.load("d")
+        assert (result.ok, result.reason) == (False, FailureReason.TIMEOUT)
+        # and it tells prefill to release what it will not pull
+        while True:
+            assert side.poll(3000), "no release"
+            msg = p.decode_message(side.recv_multipart()[1])
+            if isinstance(msg, p.Release):
+                assert msg == p.Release("fake", "req", p.ReleaseKind.FAILED)
+                break
+    finally:
+        side.close(linger=0)
+        data.close(linger=0)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -201,8 +231,6 @@ def test_dead_peer_does_not_block_others(make) -> None:
         dc = Collector(dec)
         ghost = pre.publish("ghost", [3], 16, 1).to_dict()
         ghost["side_channel"] = f"tcp://127.0.0.1:{port}"
-        from tandem.kvtransfer import KVTransferParams
-
         dec.start_load("d-ghost", KVTransferParams.from_dict(ghost), [3], [3])
         params = pre.publish("real", [4, 5], 32, 1)
         dec.start_load("d-real", params, [4, 5], [10, 11])
@@ -303,3 +331,15 @@ def test_start_load_bad_arguments_change_nothing(make) -> None:
         dec.publish("x", [1], 16, 1)
     with pytest.raises(RuntimeError):
         pre.start_load("x", params, [1], [1])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bind_all_interfaces_advertises_reachable_host(make, transport: str) -> None:
+    pre = make(transport, "prefill", seed=13, host="0.0.0.0", advertise_host="127.0.0.1")
+    dec = make(transport, "decode")
+    dc = Collector(dec)
+    assert pre.side_channel_address.startswith("tcp://127.0.0.1:")
+    params = pre.publish("req", [6], 16, 1)
+    dec.start_load("d", params, [6], [9])
+    assert dc.load("d").ok
+    assert same(dec.kv_cache[9], pre.kv_cache[6])

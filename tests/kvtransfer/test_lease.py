@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tandem.kvtransfer.lease import LeaseTable, Released
 from tandem.kvtransfer.types import FailureReason as R
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from tandem.kvtransfer import protocol as p
 from tandem.kvtransfer.types import KVLayout
 

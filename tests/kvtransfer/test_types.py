@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kvtransfer.types import KVLayout, KVTransferParams, layout_mismatch
 
 LAYOUT = KVLayout(4, 2, 64, 16, "float32", 64)

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
+from router_testlib import Cluster, router_config
 from transformers import AutoTokenizer
-from worker_double import Behaviour, Served, WorkerDouble, build_tokenizer, serve
+from worker_double import build_tokenizer, serve
 
-from tandem.router.app import RouterConfig, create_app
-from tandem.router.placement import Policy
-from tandem.router.worker_client import Timeouts
-
-MODEL = "test-model"
+from tandem.router.app import create_app
 
 
 @pytest.fixture(scope="session")
@@ -29,65 +23,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
-def router_config(tokenizer_dir: Path, **overrides: Any) -> RouterConfig:
-    base = RouterConfig(
-        model=MODEL,
-        model_path=str(tokenizer_dir),
-        policy=Policy.PREFIX_AWARE,
-        heartbeat_timeout_s=0.6,
-        expiry_interval_s=0.05,
-        events_stale_after_s=5.0,
-        timeouts=Timeouts(connect_s=2.0, read_s=10.0, control_s=2.0),
-        poll_s=0.05,
-    )
-    return replace(base, **overrides)
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll ``cond`` until true; fails the test after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-@dataclass
-class Cluster:
-    router: Served
-    app: Any
-    tokenizer: Any
-    workers: list[WorkerDouble] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return self.router.url
-
-    @property
-    def state(self) -> Any:
-        return self.app.state.router
-
-    async def add(self, role: str, **kw: Any) -> WorkerDouble:
-        w = WorkerDouble(role=role, tokenizer=self.tokenizer, model=MODEL, **kw)
-        await w.start(self.url)
-        self.workers.append(w)
-        await wait_for(lambda: self.state.registry.is_live(w.engine_id), what="registration")
-        await wait_for(lambda: self.state.index.is_synced(w.engine_id), what="kv snapshot")
-        return w
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        value = self.app.state.metrics.registry.get_sample_value(
-            name, {"model": MODEL, **(labels or {})}
-        )
-        return value or 0.0
-
-    async def stop(self) -> None:
-        for w in self.workers:
-            await w.stop()
-        await self.router.stop()
 
 
 @pytest.fixture
@@ -105,14 +40,6 @@ async def make_cluster(tokenizer_dir: Path, tokenizer: Any) -> AsyncIterator[Cal
     yield make
     for c in clusters:
         await c.stop()
-
-
-@pytest.fixture
-def http() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=10)
-
-
-__all__ = ["Behaviour", "Cluster", "wait_for", "MODEL"]
 
 
 @pytest.fixture

@@ -33,3 +33,7 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert main(["--local-prefill-threshold", "-1"]) == 2
     with pytest.raises(SystemExit):
         main(["--policy", "random"])
+
+
+def test_missing_model_directory_exits_2(tmp_path: Path) -> None:
+    assert main(["--model", str(tmp_path / "nope")]) == 2

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL, wait_for
+from router_testlib import MODEL, wait_for
 
 from tandem.engine.hashing import hash_block_tokens
 
@@ -229,3 +229,19 @@ async def test_registration_endpoints_validate(make_cluster: Any) -> None:
         assert r.json() == {"deregistered": True}
         listed = json.loads((await h.get(f"{c.url}/internal/workers")).text)["workers"]
     assert listed == []
+
+
+async def test_worker_restart_replaces_old_engine(make_cluster: Any, oai: Any) -> None:
+    c = await make_cluster(roles=("decode",))
+    (w,) = c.workers
+    old_id = w.engine_id
+    await oai(c.url).completions.create(model=MODEL, prompt=LONG, max_tokens=1)
+    await wait_for(lambda: c.state.index.size(old_id) > 0, what="blocks indexed")
+    w.engine_id = "restarted"  # same URL, new engine id: what a restarted worker registers
+    w.stored.clear()
+    w.seq = -1
+    await w.register(c.url)
+    assert not c.state.registry.is_live(old_id) and c.state.index.size(old_id) == 0
+    await wait_for(lambda: c.state.index.is_synced("restarted"), what="resync of the new engine")
+    r = await oai(c.url).completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert r.choices[0].text == "cb"

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL
+from router_testlib import MODEL
 from worker_double import CHAT_TEMPLATE, WorkerDouble
 
 
@@ -254,3 +254,29 @@ async def test_no_workers_is_503(make_cluster: Any, oai: Any) -> None:
     with pytest.raises(openai.InternalServerError) as e:
         await oai(c.url).completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert e.value.status_code == 503
+
+
+ODD_INPUTS: list[tuple[str, dict[str, Any]]] = [
+    ("chat", {"messages": [{"role": "user", "content": None}]}),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 5}),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+    ("chat", {"messages": [{"role": "user", "content": "é中🙂"}], "max_tokens": 3}),
+    ("chat", {"messages": [{"role": "user"}], "n": 3, "seed": 2**62}),
+    ("completions", {"prompt": [[1, 2], [3]], "n": 2, "logprobs": 3, "max_tokens": 2}),
+    ("completions", {"prompt": "x", "stop": ["🙂", "\n"], "max_tokens": 1}),
+    ("completions", {"prompt": [2**70]}),
+    ("completions", {"prompt": "x", "max_tokens": 10**12}),
+    ("completions", {"prompt": "x", "stream_options": None, "stream": True, "max_tokens": 1}),
+]
+
+
+async def test_odd_inputs_are_never_a_server_error(make_cluster: Any) -> None:
+    c = await make_cluster()
+    for route, body in ODD_INPUTS:
+        r = await _post(f"{c.url}/v1/{route if route == 'completions' else 'chat/completions'}",
+                        {"model": MODEL, **body})  # fmt: skip
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"]

@@ -1,0 +1,471 @@
+"""Decode side of the connector: handshakes with prefill engines and pulls blocks.
+
+A load handshakes once per prefill engine (layout and transport checked on both ends, data
+channel connected), sends PULL, posts its receives only after PULL_ACCEPTED (so no receive is
+left posted for data nobody sends), and succeeds only when every byte arrived and, where the
+transport cannot tell by itself, prefill reported PULL_DONE. It then tells prefill to release.
+Any failure ends the load with a reason and still releases on prefill (best effort: the lease
+covers a lost message). Pending loads renew their leases every third of the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from tandem.kvtransfer import protocol as p
+from tandem.kvtransfer.context import ConnectorContext, LoadFailure, log_send_error
+from tandem.kvtransfer.transport import RecvTransport, TransferError, block_bytes_view
+from tandem.kvtransfer.types import FailureReason, KVTransferParams, LoadResult, layout_mismatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Load:
+    request_id: str
+    params: KVTransferParams
+    runs: list[tuple[int, int, int]]
+    interrupt: asyncio.Future[LoadFailure] | None = None
+    receiving: bool = False
+    aborted: bool = False
+    last_renew: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Peer:
+    address: str
+    token: bytes
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket  # EVENT_DISCONNECTED of sock: prefill died or restarted
+    hello: asyncio.Future[p.HelloOk]  # the prefill's answer (set by the reader)
+    ready: asyncio.Future[p.HelloOk]  # answer checked and data channel connected
+    engine_id: str | None = None
+    # per transfer: (answer to PULL, PULL_DONE); both registered up front since replies can
+    # arrive before the load's coroutine resumes
+    waiters: dict[int, tuple[asyncio.Future[p.Message], asyncio.Future[p.Message]]] = field(
+        default_factory=dict
+    )
+    loads: dict[str, _Load] = field(default_factory=dict)  # by remote request id
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    closed: bool = False
+
+
+class DecodeSide:
+    """Owned by ZmqKVConnector. Engine-thread methods: start_load, take_finished_loads, abort.
+    Loop methods: tick, close. ``_loads``/``_finished`` are guarded by ``ctx.lock``; peers live
+    on the loop only."""
+
+    def __init__(self, ctx: ConnectorContext, recv: RecvTransport) -> None:
+        self._ctx = ctx
+        self._recv = recv
+        self._loads: dict[str, _Load] = {}
+        self._finished: list[LoadResult] = []
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+
+    def start_load(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+    ) -> None:
+        num_blocks = self._ctx.layout.num_blocks
+        published = set(params.block_ids)
+        if any(b not in published for b in remote_block_ids):
+            raise ValueError("remote_block_ids must be a subset of params.block_ids")
+        if any(type(b) is not int or not 0 <= b < num_blocks for b in local_block_ids):
+            raise ValueError(f"local block ids out of range [0, {num_blocks})")
+        if len(set(local_block_ids)) != len(local_block_ids) or len(set(remote_block_ids)) != len(
+            remote_block_ids
+        ):
+            raise ValueError("block ids must not repeat")
+        runs = p.plan_segments(remote_block_ids, local_block_ids)  # ValueError on length
+        load = _Load(request_id, params, runs)
+        with self._ctx.lock:
+            if self._closed:
+                raise RuntimeError("connector is closed")
+            if request_id in self._loads:
+                raise ValueError(f"request {request_id!r} already has a load in progress")
+            self._loads[request_id] = load
+        self._ctx.loop.call_soon_threadsafe(self._ctx.spawn, self._run_load(load))
+
+    def take_finished_loads(self) -> list[LoadResult]:
+        with self._ctx.lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def abort(self, request_id: str) -> None:
+        with self._ctx.lock:
+            load = self._loads.get(request_id)
+        if load is not None:
+            failure = LoadFailure(FailureReason.ABORTED, "aborted by decode")
+            self._ctx.loop.call_soon_threadsafe(self._interrupt, load, failure)
+
+    def tick(self) -> None:
+        now = self._ctx.clock()
+        for peer in list(self._peers.values()):
+            due = [
+                rid
+                for rid, load in peer.loads.items()
+                if now - load.last_renew >= load.params.lease_seconds / 3
+            ]
+            if due and peer.engine_id is not None:
+                for rid in due:
+                    peer.loads[rid].last_renew = now
+                self._send_peer(peer, p.Renew(peer.engine_id, tuple(due)))
+
+    async def close(self) -> None:
+        with self._ctx.lock:
+            self._closed = True
+        for peer in list(self._peers.values()):
+            await self._drop_peer(peer, LoadFailure(FailureReason.CLOSED, "connector closed"))
+        await self._recv.close()
+
+    def fail_remaining(self) -> None:
+        """After the loop stopped: every load still open ends as CLOSED."""
+        with self._ctx.lock:
+            self._closed = True
+            for rid in list(self._loads):
+                self._finish_load(rid, LoadFailure(FailureReason.CLOSED, "connector closed"))
+
+    def _finish_load(self, request_id: str, failure: LoadFailure | None) -> None:
+        """Caller holds the lock."""
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            return
+        if failure is None:
+            self._finished.append(LoadResult(request_id, True))
+            if self._ctx.metrics is not None and self._recv is not None:
+                self._ctx.metrics.observe_seconds(self._recv.name, time.monotonic() - load.started)
+        else:
+            log.warning("kv: load %s failed: %s", request_id, failure)
+            self._ctx.count_failure(failure.reason)
+            self._finished.append(LoadResult(request_id, False, failure.reason, failure.detail))
+
+    def _interrupt(self, load: _Load, failure: LoadFailure) -> None:
+        load.aborted = load.aborted or failure.reason == FailureReason.ABORTED
+        if load.interrupt is not None and not load.interrupt.done():
+            load.interrupt.set_result(failure)
+
+    async def _run_load(self, load: _Load) -> None:
+        load.interrupt = self._ctx.loop.create_future()
+        if load.aborted:  # abort() raced with start
+            load.interrupt.set_result(LoadFailure(FailureReason.ABORTED, "aborted by decode"))
+        peer: _Peer | None = None
+        kind = p.ReleaseKind.FAILED
+        try:
+            peer = await self._until_interrupted(load, self._peer_for(load.params))
+            if load.interrupt.done():
+                raise load.interrupt.result()
+            peer.loads[load.params.remote_request_id] = load
+            load.last_renew = self._ctx.clock()
+            if load.runs:
+                await self._pull(peer, load)
+            if load.interrupt.done():
+                raise load.interrupt.result()
+            kind = p.ReleaseKind.DONE
+            failure = None
+        except LoadFailure as exc:
+            failure = exc
+            if exc.reason == FailureReason.ABORTED:
+                kind = p.ReleaseKind.ABORTED
+        except Exception as exc:  # a bug must still end the load, never leave it hanging
+            log.exception("kv: load %s crashed", load.request_id)
+            failure = LoadFailure(FailureReason.TRANSFER_ERROR, repr(exc))
+        if peer is not None:
+            peer.loads.pop(load.params.remote_request_id, None)
+            if peer.engine_id is not None and not peer.closed:
+                self._send_peer(
+                    peer, p.Release(load.params.engine_id, load.params.remote_request_id, kind)
+                )
+        elif kind == p.ReleaseKind.ABORTED:
+            # Aborted before the handshake finished: still free prefill's blocks now rather
+            # than at lease expiry.
+            self._ctx.spawn(self._release_when_connected(load.params, kind))
+        with self._ctx.lock:
+            self._finish_load(load.request_id, failure)
+
+    async def _release_when_connected(self, params: KVTransferParams, kind: p.ReleaseKind) -> None:
+        try:
+            peer = await self._peer_for(params)
+        except LoadFailure as exc:
+            log.info("kv: could not tell %s to release: %s", params.side_channel, exc)
+            return
+        self._send_peer(peer, p.Release(params.engine_id, params.remote_request_id, kind))
+
+    async def _until_interrupted(self, load: _Load, coro):  # noqa: ANN001, ANN202
+        assert load.interrupt is not None
+        task = asyncio.ensure_future(coro)
+        await asyncio.wait({task, load.interrupt}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise load.interrupt.result()
+        return task.result()
+
+    async def _pull(self, peer: _Peer, load: _Load) -> None:
+        assert self._recv is not None and load.interrupt is not None
+        recv = self._recv
+        xfer = recv.new_xfer_id()
+        views = [block_bytes_view(self._ctx.kv, loc, n) for _, loc, n in load.runs]
+        accepted: asyncio.Future[p.Message] = self._ctx.loop.create_future()
+        done: asyncio.Future[p.Message] = self._ctx.loop.create_future()
+        peer.waiters[xfer] = (accepted, done)
+        try:
+            recv.expect(peer.token, xfer, views)
+        except TransferError as exc:
+            raise LoadFailure(FailureReason.PEER_DISCONNECTED, str(exc)) from None
+        try:
+            pull = p.Pull(
+                load.params.engine_id,
+                load.params.remote_request_id,
+                xfer,
+                tuple((r, n) for r, _, n in load.runs),
+            )
+            self._send_peer(peer, pull)
+            # Once prefill may be sending, a UCX load must see the transfer through (its
+            # sends would otherwise stall on our side); TCP can drop the data on arrival.
+            answer = self._until_interrupted(load, accepted) if recv.cancel_safe else accepted
+            try:
+                reply = await asyncio.wait_for(answer, self._ctx.transfer_timeout)
+            except TimeoutError:
+                raise LoadFailure(FailureReason.TIMEOUT, "prefill did not answer PULL") from None
+            _raise_for_reply(reply)
+            load.receiving = True
+            waiting = asyncio.ensure_future(recv.wait(xfer, self._ctx.transfer_timeout))
+            if recv.cancel_safe:
+                await asyncio.wait({waiting, load.interrupt}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    with contextlib.suppress(BaseException):
+                        await waiting
+                    raise load.interrupt.result()
+            try:
+                await waiting
+            except TransferError as exc:
+                raise LoadFailure(FailureReason.TRANSFER_ERROR, str(exc)) from None
+            if not recv.self_delimiting:
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(done), self._ctx.transfer_timeout)
+                except TimeoutError:
+                    raise LoadFailure(FailureReason.TIMEOUT, "no PULL_DONE from prefill") from None
+                _raise_for_reply(reply)
+            if self._ctx.metrics is not None:
+                self._ctx.metrics.add_bytes("recv", recv.name, sum(v.numel() for v in views))
+        finally:
+            peer.waiters.pop(xfer, None)
+            recv.forget(xfer)
+
+    async def _peer_for(self, params: KVTransferParams) -> _Peer:
+        peer = self._peers.get(params.side_channel)
+        if peer is not None and peer.ready.done() and peer.engine_id != params.engine_id:
+            # The address now serves another engine (a restart) or the params are stale:
+            # handshake again rather than trust what we learned from a predecessor.
+            await self._drop_peer(peer, LoadFailure(FailureReason.STALE_ENGINE, "engine changed"))
+            peer = None
+        if peer is None:
+            peer = self._connect(params.side_channel)
+        try:
+            hello = await asyncio.wait_for(
+                asyncio.shield(peer.ready), 2 * self._ctx.handshake_timeout
+            )
+        except TimeoutError:
+            await self._drop_peer(peer, LoadFailure(FailureReason.HANDSHAKE, "timed out"))
+            raise LoadFailure(
+                FailureReason.HANDSHAKE, f"no handshake answer from {params.side_channel}"
+            ) from None
+        if hello.engine_id != params.engine_id:
+            raise LoadFailure(
+                FailureReason.STALE_ENGINE,
+                f"{params.side_channel} now serves engine {hello.engine_id}, not "
+                f"{params.engine_id} (prefill restarted; its blocks are gone)",
+            )
+        return peer
+
+    def _connect(self, address: str) -> _Peer:
+        assert self._recv is not None
+        token = uuid.uuid4().bytes
+        sock = self._ctx.zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, token)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        peer = _Peer(
+            address,
+            token,
+            sock,
+            monitor,
+            self._ctx.loop.create_future(),
+            self._ctx.loop.create_future(),
+        )
+        self._peers[address] = peer
+        peer.tasks.append(self._ctx.spawn(self._handshake(peer)))
+        peer.tasks.append(self._ctx.spawn(self._read_peer(peer)))
+        peer.tasks.append(self._ctx.spawn(self._watch_peer(peer)))
+        return peer
+
+    async def _handshake(self, peer: _Peer) -> None:
+        assert self._recv is not None
+        self._send_peer(peer, p.Hello(self._ctx.engine_id, self._recv.name, self._ctx.layout))
+        try:
+            reply = await asyncio.shield(peer.hello)
+            await self._recv.connect(reply.data_address, peer.token, self._ctx.handshake_timeout)
+        except (LoadFailure, TransferError) as exc:
+            failure = (
+                exc
+                if isinstance(exc, LoadFailure)
+                else LoadFailure(FailureReason.HANDSHAKE, str(exc))
+            )
+            await self._drop_peer(peer, failure)
+            return
+        peer.engine_id = reply.engine_id
+        self._set_future(peer.ready, reply)
+
+    @staticmethod
+    def _set_future(fut: asyncio.Future[p.HelloOk], value: p.HelloOk | LoadFailure) -> None:
+        if fut.done():
+            return
+        if isinstance(value, LoadFailure):
+            fut.set_exception(value)
+            fut.exception()  # mark retrieved: whoever awaits re-raises it
+        else:
+            fut.set_result(value)
+
+    async def _read_peer(self, peer: _Peer) -> None:
+        while True:
+            frames = await peer.sock.recv_multipart()
+            try:
+                self._on_peer_frames(peer, frames)
+            except Exception:
+                log.exception("kv side channel: peer handler failed")
+
+    def _on_peer_frames(self, peer: _Peer, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            log.warning("kv side channel: dropped a %d-frame reply", len(frames))
+            self._ctx.count_failure(FailureReason.BAD_MESSAGE)
+            return
+        try:
+            msg = p.decode_message(frames[0])
+        except p.ProtocolError as exc:
+            log.warning("kv side channel: bad reply from %s: %s", peer.address, exc)
+            self._ctx.count_failure(FailureReason.BAD_MESSAGE)
+            return
+        log.debug("kv side channel: %s from %s", type(msg).__name__, peer.address)
+        match msg:
+            case p.HelloOk():
+                problem = layout_mismatch(self._ctx.layout, msg.layout)
+                if problem is not None:
+                    self._set_future(
+                        peer.hello, LoadFailure(FailureReason.LAYOUT_MISMATCH, problem)
+                    )
+                elif self._recv is None or msg.transport != self._recv.name:
+                    self._set_future(
+                        peer.hello,
+                        LoadFailure(FailureReason.HANDSHAKE, f"prefill uses {msg.transport}"),
+                    )
+                else:
+                    self._set_future(peer.hello, msg)
+            case p.PullAccepted() | p.PullDone() | p.Error() if msg.xfer_id is not None:
+                futures = peer.waiters.get(msg.xfer_id, ())
+                if isinstance(msg, p.PullDone):
+                    futures = futures[1:]
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_result(msg)
+                        break
+            case p.Error():
+                log.warning("kv side channel: %s says %s: %s", peer.address, msg.code, msg.message)
+                if not peer.hello.done():
+                    reason = (
+                        FailureReason.LAYOUT_MISMATCH
+                        if msg.code == "layout_mismatch"
+                        else FailureReason.HANDSHAKE
+                    )
+                    self._set_future(peer.hello, LoadFailure(reason, msg.message))
+            case p.Aborted():
+                load = peer.loads.get(msg.request_id)
+                if load is not None and msg.engine_id == load.params.engine_id:
+                    self._interrupt(
+                        load,
+                        LoadFailure(
+                            FailureReason.PEER_ABORTED, f"prefill released it: {msg.reason}"
+                        ),
+                    )
+            case _:
+                log.warning("kv side channel: unexpected %s from prefill", type(msg).__name__)
+
+    async def _watch_peer(self, peer: _Peer) -> None:
+        while True:
+            event = parse_monitor_message(await peer.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                break
+        await self._drop_peer(
+            peer,
+            LoadFailure(
+                FailureReason.PEER_DISCONNECTED,
+                f"side channel to {peer.address} disconnected (prefill died?)",
+            ),
+        )
+
+    async def _drop_peer(self, peer: _Peer, failure: LoadFailure) -> None:
+        if peer.closed:
+            return
+        peer.closed = True
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        self._set_future(peer.hello, failure)
+        self._set_future(peer.ready, failure)
+        for load in list(peer.loads.values()):
+            self._interrupt(load, failure)
+        for futures in peer.waiters.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(p.Error(failure.reason.value, failure.detail, None, None))
+        current = asyncio.current_task()
+        for task in peer.tasks:
+            if task is not current:
+                task.cancel()
+        if self._recv is not None:
+            with contextlib.suppress(TransferError):
+                await self._recv.disconnect(peer.token)
+        # libzmq's I/O thread sends monitor events with a blocking send: stop the monitor before
+        # its reading end goes away, or one late event wedges every socket of the context.
+        peer.sock.disable_monitor()
+        peer.monitor.close(linger=0)
+        peer.sock.close(linger=0)
+
+    def _send_peer(self, peer: _Peer, msg: p.Message) -> None:
+        if peer.closed:
+            return
+        fut = peer.sock.send(p.encode_message(msg))
+        fut.add_done_callback(log_send_error)
+
+
+def _raise_for_reply(reply: p.Message) -> None:
+    match reply:
+        case p.PullAccepted():
+            return
+        case p.PullDone(ok=True):
+            return
+        case p.PullDone():
+            raise LoadFailure(FailureReason.TRANSFER_ERROR, f"prefill send failed: {reply.reason}")
+        case p.Error():
+            try:
+                reason = FailureReason(reply.code)
+            except ValueError:
+                reason = FailureReason.INVALID_REQUEST
+            raise LoadFailure(reason, f"prefill refused: {reply.code}: {reply.message}")
+    raise LoadFailure(FailureReason.BAD_MESSAGE, f"unexpected reply {type(reply).__name__}")

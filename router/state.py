@@ -1,0 +1,132 @@
+"""The router's configuration and per-app state: registry, prefix index, clients, flow context.
+
+``RouterState`` is built by the app's lifespan (``app.py``) and reached by handlers through
+``app.state.router``; it keeps the registry, prefix index and KV-event subscriptions in step.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from fastapi import Request
+
+from tandem.engine.hashing import HASH_ALGORITHM
+from tandem.router.errors import OpenAIError
+from tandem.router.flow import FlowConfig, FlowContext
+from tandem.router.kv_events import KvEventSubscriber
+from tandem.router.metrics import RouterMetrics
+from tandem.router.placement import Placer, Policy
+from tandem.router.prefix_index import ApplyResult, PrefixIndex
+from tandem.router.registry import Role, WorkerInfo, WorkerRegistry, WorkerState
+from tandem.router.tokenizer import PromptEncoder
+from tandem.router.worker_client import Timeouts, WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class RouterConfig:
+    model: str = "demo"  # served name, exactly as given to --model; workers must report the same
+    model_path: str | None = None  # tokenizer directory; None resolves ``model``
+    policy: Policy = Policy.PREFIX_AWARE
+    local_prefill_threshold: int = 0
+    api_keys: tuple[str, ...] = ()
+    heartbeat_timeout_s: float = 3.0
+    expiry_interval_s: float = 0.5
+    events_stale_after_s: float = 5.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    poll_s: float = 0.25
+
+
+class RouterState:
+    """Per-app state built by the lifespan; handlers reach it through ``app.state.router``."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        encoder: PromptEncoder,
+        http: aiohttp.ClientSession,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.encoder = encoder
+        self.registry = WorkerRegistry(clock, config.heartbeat_timeout_s, model=config.model)
+        self.index = PrefixIndex(clock, config.events_stale_after_s)
+        self.client = WorkerClient(http, config.timeouts)
+        self.subscriber = KvEventSubscriber(self.index, self.client, self._on_event)
+        self.flow = FlowContext(
+            registry=self.registry,
+            index=self.index,
+            placer=Placer(config.policy),
+            client=self.client,
+            metrics=metrics,
+            config=FlowConfig(
+                local_prefill_threshold=config.local_prefill_threshold,
+                poll_s=config.poll_s,
+                read_timeout_s=config.timeouts.read_s,
+            ),
+        )
+
+    def _on_event(self, engine_id: str, result: ApplyResult) -> None:
+        if result is ApplyResult.NEEDS_RESYNC:
+            self.metrics.kv_resyncs.inc()
+
+    # -- registry ---------------------------------------------------------------------------
+    def register(self, info: WorkerInfo) -> None:
+        for old in self.registry.register(info):
+            self._forget(old)
+        if info.hash_algorithm != HASH_ALGORITHM:
+            log.warning(
+                "worker %s hashes with %s, router with %s: scored by load only",
+                info.engine_id, info.hash_algorithm, HASH_ALGORITHM,
+            )  # fmt: skip
+        if info.kv_events_endpoint and not self.index.is_synced(info.engine_id):
+            self.index.add_worker(info.engine_id, info.num_blocks)
+            self.subscriber.start(info.engine_id, info.kv_events_endpoint, info.url)
+        self._update_gauges()
+
+    def _forget(self, w: WorkerState) -> None:
+        self.subscriber.stop(w.info.engine_id)
+        self.index.remove_worker(w.info.engine_id)
+
+    def deregister(self, engine_id: str) -> bool:
+        w = self.registry.deregister(engine_id)
+        if w is not None:
+            self._forget(w)
+        self._update_gauges()
+        return w is not None
+
+    def expire(self) -> None:
+        for w in self.registry.expire():
+            log.warning("worker %s (%s) stopped heartbeating", w.info.engine_id, w.info.url)
+            self._forget(w)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        for role in Role:
+            n = len(self.registry.by_role(role))
+            self.metrics.workers.labels(self.metrics.model, role.label).set(n)
+
+    # -- requests ---------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token.strip().encode(), k.encode()) for k in self.config.api_keys
+        )
+        if not ok:
+            raise OpenAIError(
+                401,
+                "Incorrect API key provided." if header else "No API key provided.",
+                type="invalid_request_error",
+                code="invalid_api_key",
+            )
