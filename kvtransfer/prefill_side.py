@@ -251,9 +251,9 @@ class PrefillSide:
             await self._send.send(ident, msg.xfer_id, views, self._ctx.transfer_timeout)
             if self._ctx.metrics is not None:
                 self._ctx.metrics.add_bytes("send", self._send.name, sum(v.numel() for v in views))
-        except TransferError as exc:
-            reason = str(exc)
-            log.warning("kv: sending %s failed: %s", msg.request_id, exc)
+        except Exception as exc:  # TransferError, or anything a transport let escape
+            reason = str(exc) if isinstance(exc, TransferError) else repr(exc)
+            log.warning("kv: sending %s failed: %s", msg.request_id, reason)
             self._ctx.count_failure(FailureReason.TRANSFER_ERROR)
         finally:
             with self._ctx.lock:

@@ -38,6 +38,9 @@ _CANCEL_GRACE_S = 5.0
 _ABORT_PERIOD_NS = 100_000_000
 
 
+_UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+
+
 def _buffer(view: torch.Tensor) -> Any:
     # numpy exposes __array_interface__ for host memory; torch CUDA tensors expose
     # __cuda_array_interface__ themselves. Both are zero-copy views.
@@ -53,6 +56,11 @@ class UcxRuntime:
 
     def __init__(self) -> None:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        # UCX's TCP transport moves 8 KiB / 64 KiB segments by default; KV pulls are MiB-sized
+        # and 1 MiB segments doubled throughput in benchmarks/kv_transfer.py. The environment
+        # (UCX_TLS, UCX_TCP_*, UCX_RNDV_*) still wins: setdefault only fills what is unset.
+        for key, value in _UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         import ucxx  # imported lazily: the tcp transport must work without UCX
 
         self.ucxx = ucxx

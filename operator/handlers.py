@@ -281,11 +281,11 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     def object_state(namespace: str, name: str) -> ObjectState:
         return states.setdefault((namespace, name), ObjectState())
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(id="login", registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return _login()
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -303,7 +303,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         if cfg.metrics_port is not None:
             shared["metrics_runner"] = await metrics.serve(cfg.metrics_host, cfg.metrics_port)
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(**_: Any) -> None:
         controller = shared.pop("controller", None)
         if controller is not None:
@@ -315,21 +315,22 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             await runner.cleanup()
 
     # Failures are API errors worth retrying soon, not Kopf's default minute later.
-    @kopf.on.resume(*resource, backoff=5, registry=registry)
-    @kopf.on.create(*resource, backoff=5, registry=registry)
-    @kopf.on.update(*resource, backoff=5, registry=registry)
+    # Explicit ids: Kopf stores progress in annotations named after them.
+    @kopf.on.resume(*resource, id="apply", backoff=5, registry=registry)
+    @kopf.on.create(*resource, id="apply", backoff=5, registry=registry)
+    @kopf.on.update(*resource, id="apply", backoff=5, registry=registry)
     async def apply(name: str, namespace: str, **_: Any) -> None:
         controller = shared.get("controller")
         if controller is not None:
             await controller.reconcile(namespace, name, object_state(namespace, name))
 
-    @kopf.timer(*resource, interval=cfg.resync_seconds, backoff=5, registry=registry)
+    @kopf.timer(*resource, id="resync", interval=cfg.resync_seconds, backoff=5, registry=registry)
     async def resync(name: str, namespace: str, **_: Any) -> None:
         controller = shared.get("controller")
         if controller is not None:
             await controller.reconcile(namespace, name, object_state(namespace, name), True)
 
-    @kopf.on.delete(*resource, backoff=5, registry=registry)
+    @kopf.on.delete(*resource, id="delete", backoff=5, registry=registry)
     async def delete(name: str, namespace: str, uid: str, body: kopf.Body, **_: Any) -> None:
         controller = shared["controller"]
         state = states.pop((namespace, name), None) or ObjectState()

@@ -250,11 +250,16 @@ def run(
         for c in supervisor.children:
             out(f"  {c.spec.name:<12} pid {c.proc.pid:<8} {c.spec.url}  log: {c.log_path}")
         on_ready()
+        reported: set[str] = set()
         while not supervisor.stopping:
-            child = supervisor.dead()
-            if child is not None:
-                out(f"tandem up: {child.spec.name} exited with code {child.proc.returncode}; "
-                    f"stopping. Last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
+            for child in supervisor.children:
+                if child.proc.poll() is None or child.spec.name in reported:
+                    continue
+                reported.add(child.spec.name)
+                out(f"tandem up: {child.spec.name} exited with code {child.proc.returncode}. "
+                    f"Last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
+            if not _can_serve(supervisor, router):
+                out("tandem up: the router or every decode worker is gone; stopping")
                 return 1
             time.sleep(0.2)
         out("tandem up: stopping")
@@ -267,6 +272,14 @@ def run(
         return 1
     finally:
         supervisor.stop_all()
+
+
+def _can_serve(supervisor: Supervisor, router: ProcessSpec) -> bool:
+    """A dead prefill or one of several decode workers is survivable: the router drops it from
+    its registry and places traffic on the others (or prefills on decode). Serving needs the
+    router and at least one decode (or colocated) worker."""
+    alive = [c.spec for c in supervisor.children if c.proc.poll() is None]
+    return router in alive and any(s.role in ("decode", "colocated") for s in alive)
 
 
 def build_parser() -> argparse.ArgumentParser:

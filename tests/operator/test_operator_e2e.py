@@ -126,7 +126,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.close()
 
 
-def wait_for(cluster: Cluster, what: str, probe: Callable[[], T | None], timeout: float = 30) -> T:
+def wait_for(cluster: Cluster, what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
     """Poll `probe` until it returns something truthy, or fail with the operator's log."""
     deadline = time.monotonic() + timeout
     while True:
@@ -451,7 +451,7 @@ def test_autoscaler_scales_prefill_on_ttft(cluster: Cluster) -> None:
             lambda: (
                 deployment_field(cluster, "scaled-prefill", lambda d: d["spec"]["replicas"]) == 3
             ),
-            timeout=45,
+            timeout=90,
         )
     finally:
         for e in exporters.values():

@@ -413,3 +413,45 @@ def test_metrics_source_parsing() -> None:
     )
     assert spec.autoscaling.metrics.source is MetricsSource.PROMETHEUS
     assert spec.autoscaling.metrics.prometheus_url == "http://p:9090"
+
+
+def test_drifted_compares_against_last_applied() -> None:
+    from tandem.operator.reconcile import drifted
+
+    desired = by_name(render_children(OWNER, TandemServiceSpec(), Replicas(1, 1)))[
+        "Service/demo-router"
+    ]
+    live = child_patch(desired, {"metadata": {}})
+    assert live is not None
+    live = {**live, "apiVersion": "v1", "kind": "Service", "status": {"loadBalancer": {}}}
+    assert not drifted(live)
+    live["spec"]["type"] = "NodePort"
+    assert drifted(live)
+    assert drifted({"metadata": {"annotations": {LAST_APPLIED: "not json"}}})
+    assert drifted({"metadata": {}})
+
+
+def test_object_paths() -> None:
+    from tandem.operator.kube import object_path
+
+    assert (
+        object_path("apps/v1", "Deployment", "ns", "d")
+        == "/apis/apps/v1/namespaces/ns/deployments/d"
+    )
+    assert object_path("v1", "Pod", "ns") == "/api/v1/namespaces/ns/pods"
+    assert (
+        object_path("tandem.dev/v1alpha1", "TandemService", "ns", "x", "status")
+        == "/apis/tandem.dev/v1alpha1/namespaces/ns/tandemservices/x/status"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["-A", "--resync-seconds", "0"], ["-A", "--metrics-port", "70000"], ["-A", "-n", "x"]],
+)
+def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
+    from tandem.operator.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
