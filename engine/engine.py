@@ -225,6 +225,9 @@ class Engine:
         self._requests[req.request_id] = req
         self._detok[req.request_id] = detok
         self.scheduler.add_request(req)
+        if req.kv_transfer_params is not None:
+            # Keep the prefill's lease alive while the request queues here for blocks.
+            self.connector.hold(req.request_id, req.kv_transfer_params)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort by request id or group id (n > 1); frees blocks, pinned ones included."""
@@ -232,7 +235,8 @@ class Engine:
         ids = {rid for rid, r in self._requests.items() if rid in wanted or r.group_id in wanted}
         ids |= wanted & self.scheduler.pinned.keys()
         if self.connector is not None:
-            for rid in ids & (self.scheduler.pinned.keys() | self.scheduler.loading.keys()):
+            remote = {r.request_id for r in self.scheduler.waiting if r.kv_transfer_params}
+            for rid in ids & (self.scheduler.pinned.keys() | self.scheduler.loading.keys() | remote):
                 self.connector.abort(rid)
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [self._final(r) for r in done]

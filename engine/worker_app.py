@@ -89,6 +89,7 @@ class WorkerService:
             kv_cache,
             "prefill" if self.role == Role.PREFILL else "decode",
             host=self.config.host,
+            advertise_host=self.config.advertise_host,
             lease_seconds=self.config.kv_lease_seconds,
             metrics=metrics,
         )

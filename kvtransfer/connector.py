@@ -132,6 +132,11 @@ class ZmqKVConnector:
             raise RuntimeError("start_load needs a connector with the decode role")
         self._decode.start_load(request_id, params, remote_block_ids, local_block_ids)
 
+    def hold(self, request_id: str, params: KVTransferParams) -> None:
+        if self._decode is None:
+            raise RuntimeError("hold needs a connector with the decode role")
+        self._decode.hold(request_id, params)
+
     def take_finished_loads(self) -> list[LoadResult]:
         return self._decode.take_finished_loads() if self._decode else []
 

@@ -42,6 +42,14 @@ class _Load:
 
 
 @dataclass(slots=True)
+class _Held:
+    """A request decode has admitted but not yet allocated blocks for: keep its lease alive."""
+
+    params: KVTransferParams
+    last_renew: float = 0.0
+
+
+@dataclass(slots=True)
 class _Peer:
     address: str
     token: bytes
@@ -56,6 +64,7 @@ class _Peer:
         default_factory=dict
     )
     loads: dict[str, _Load] = field(default_factory=dict)  # by remote request id
+    held: dict[str, _Held] = field(default_factory=dict)  # by remote request id
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     closed: bool = False
 
@@ -69,9 +78,30 @@ class DecodeSide:
         self._ctx = ctx
         self._recv = recv
         self._loads: dict[str, _Load] = {}
+        self._held: dict[str, KVTransferParams] = {}  # by local request id, under ctx.lock
         self._finished: list[LoadResult] = []
         self._peers: dict[str, _Peer] = {}
         self._closed = False
+
+    def hold(self, request_id: str, params: KVTransferParams) -> None:
+        with self._ctx.lock:
+            if self._closed:
+                raise RuntimeError("connector is closed")
+            if request_id in self._loads or request_id in self._held:
+                raise ValueError(f"request {request_id!r} is already held or loading")
+            self._held[request_id] = params
+        self._ctx.loop.call_soon_threadsafe(self._ctx.spawn, self._hold(request_id, params))
+
+    async def _hold(self, request_id: str, params: KVTransferParams) -> None:
+        try:
+            peer = await self._peer_for(params)
+        except LoadFailure as exc:  # start_load will report it; nothing to renew meanwhile
+            log.info("kv: cannot hold %s: %s", request_id, exc)
+            return
+        with self._ctx.lock:
+            still_held = self._held.get(request_id) is params
+        if still_held:
+            peer.held[params.remote_request_id] = _Held(params, self._ctx.clock())
 
     def start_load(
         self,
@@ -97,6 +127,7 @@ class DecodeSide:
                 raise RuntimeError("connector is closed")
             if request_id in self._loads:
                 raise ValueError(f"request {request_id!r} already has a load in progress")
+            self._held.pop(request_id, None)
             self._loads[request_id] = load
         self._ctx.loop.call_soon_threadsafe(self._ctx.spawn, self._run_load(load))
 
@@ -108,22 +139,35 @@ class DecodeSide:
     def abort(self, request_id: str) -> None:
         with self._ctx.lock:
             load = self._loads.get(request_id)
+            held = self._held.pop(request_id, None)
+        if held is not None:
+            self._ctx.loop.call_soon_threadsafe(self._unhold, held)
         if load is not None:
             failure = LoadFailure(FailureReason.ABORTED, "aborted by decode")
             self._ctx.loop.call_soon_threadsafe(self._interrupt, load, failure)
 
+    def _unhold(self, params: KVTransferParams) -> None:
+        peer = self._peers.get(params.side_channel)
+        if peer is not None:
+            peer.held.pop(params.remote_request_id, None)
+        self._ctx.spawn(self._release_when_connected(params, p.ReleaseKind.ABORTED))
+
     def tick(self) -> None:
+        """Renew, every third of a lease, what pending loads and held requests still need."""
         now = self._ctx.clock()
         for peer in list(self._peers.values()):
+            entries: list[tuple[str, _Load | _Held]] = [*peer.loads.items(), *peer.held.items()]
             due = [
-                rid
-                for rid, load in peer.loads.items()
-                if now - load.last_renew >= load.params.lease_seconds / 3
+                (rid, entry)
+                for rid, entry in entries
+                if now - entry.last_renew >= entry.params.lease_seconds / 3
             ]
             if due and peer.engine_id is not None:
-                for rid in due:
-                    peer.loads[rid].last_renew = now
-                self._send_peer(peer, p.Renew(peer.engine_id, tuple(due)))
+                for _, entry in due:
+                    entry.last_renew = now
+                ids = tuple(dict.fromkeys(rid for rid, _ in due))
+                for i in range(0, len(ids), p.MAX_RENEW_IDS):
+                    self._send_peer(peer, p.Renew(peer.engine_id, ids[i : i + p.MAX_RENEW_IDS]))
 
     async def close(self) -> None:
         with self._ctx.lock:
@@ -168,6 +212,7 @@ class DecodeSide:
             peer = await self._until_interrupted(load, self._peer_for(load.params))
             if load.interrupt.done():
                 raise load.interrupt.result()
+            peer.held.pop(load.params.remote_request_id, None)
             peer.loads[load.params.remote_request_id] = load
             load.last_renew = self._ctx.clock()
             if load.runs:

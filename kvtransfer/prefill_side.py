@@ -22,6 +22,7 @@ from tandem.kvtransfer.transport import TOKEN_BYTES, SendTransport, TransferErro
 from tandem.kvtransfer.types import FailureReason, KVTransferParams, layout_mismatch
 
 log = logging.getLogger(__name__)
+_MAX_HELLO_PEERS = 4096
 
 _RELEASE_REASON = {
     p.ReleaseKind.DONE: None,
@@ -48,7 +49,9 @@ class PrefillSide:
         self._leases = LeaseTable(stuck_grace=ctx.transfer_timeout + 5.0)
         self._published: dict[str, _Published] = {}
         self._released: list[str] = []
-        self._hello_peers: set[bytes] = set()
+        # decode tokens that completed HELLO, oldest first; bounded because ROUTER sockets never
+        # say when a peer left
+        self._hello_peers: dict[bytes, None] = {}
         self._router: zmq.asyncio.Socket | None = None
 
     async def start(self, host: str, port: int, advertise_host: str) -> None:
@@ -201,7 +204,9 @@ class PrefillSide:
         if mismatch is not None:
             self._reject(ident, "layout_mismatch", mismatch)
             return
-        self._hello_peers.add(ident)
+        self._hello_peers[ident] = None
+        if len(self._hello_peers) > _MAX_HELLO_PEERS:
+            del self._hello_peers[next(iter(self._hello_peers))]
         self._reply(
             ident,
             p.HelloOk(

@@ -254,6 +254,11 @@ class KVConnector(Protocol):
         (decode confirmed or failed, lease expired, aborted by either side)."""
         ...
 
+    def hold(self, request_id: str, params: KVTransferParams) -> None:
+        """Decode, optional: the request is admitted but waits for blocks; renew prefill's
+        lease until ``start_load`` or ``abort`` (abort also releases prefill's blocks)."""
+        ...
+
     def start_load(
         self,
         request_id: str,

@@ -86,7 +86,8 @@ def _login() -> kopf.ConnectionInfo:
 
 
 class ObjectState:
-    """Per-TandemService state kept in its Kopf memo: the lock and the metrics source."""
+    """Per-TandemService state, kept by the registry while the object exists: the lock that
+    serializes passes, the metrics source (with its previous scrapes) and autoscaler pacing."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
@@ -99,7 +100,8 @@ class ObjectState:
 
 
 class Controller:
-    """Reconciles TandemServices; owns nothing (the client and session belong to the memo)."""
+    """Reconciles TandemServices. The startup handler creates it with the client, session and
+    metrics it then owns; the cleanup handler sets `closing` and closes them."""
 
     def __init__(
         self,
@@ -196,6 +198,8 @@ class Controller:
             status.get("conditions") or [],
             _now_text(),
         )
+        if spec is not None and not spec.autoscaling.enabled and "autoscaling" in status:
+            new["autoscaling"] = None  # stale decisions would mislead once scaling is off
         if not is_subset(new, status):
             await self.patch_status(body, new)
         return spec if problem is None else None

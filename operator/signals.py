@@ -51,7 +51,7 @@ class PodInfo:
     ready_seconds: float  # how long it has been Ready; 0 when not ready
 
     def warm(self, warmup_seconds: float) -> bool:
-        return self.ready and self.ip is not None and self.ready_seconds >= warmup_seconds
+        return self.ready and self.ready_seconds >= warmup_seconds
 
 
 class SignalSource(Protocol):
@@ -166,7 +166,7 @@ class PromQueryError(RuntimeError):
 
 
 def _selector(base: str, extra: Sequence[str]) -> str:
-    return "{" + ",".join([base, *extra]) + "}"
+    return "{" + ",".join(m for m in [base, *extra] if m) + "}"
 
 
 def promql_queries(selector: str, window_seconds: int, cold_pods: Sequence[str]) -> dict[str, str]:

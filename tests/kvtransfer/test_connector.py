@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -343,3 +345,26 @@ def test_bind_all_interfaces_advertises_reachable_host(make, transport: str) -> 
     dec.start_load("d", params, [6], [9])
     assert dc.load("d").ok
     assert same(dec.kv_cache[9], pre.kv_cache[6])
+
+
+def test_hold_keeps_lease_alive_until_load_and_abort_releases(make) -> None:
+    pre = make("tcp", "prefill", seed=14, lease_seconds=0.4)
+    dec = make("tcp", "decode")
+    pc, dc = Collector(pre), Collector(dec)
+    kept, dropped = pre.publish("kept", [2, 3], 32, 1), pre.publish("dropped", [4], 16, 1)
+    dec.hold("d-kept", kept)
+    dec.hold("d-dropped", dropped)
+    with pytest.raises(ValueError, match="already held"):
+        dec.hold("d-kept", kept)
+    deadline = time.monotonic() + 1.5  # more than three lease lengths
+    while time.monotonic() < deadline:
+        pc.poll()
+        assert pc.released == [], "a held request lost its lease"
+        time.sleep(0.01)
+    dec.abort("d-dropped")
+    pc.release("dropped", timeout=5)
+    dec.start_load("d-kept", kept, [2, 3], [7, 8])
+    assert dc.load("d-kept").ok
+    assert same(dec.kv_cache[7:9], pre.kv_cache[2:4])
+    pc.release("kept")
+    assert "d-dropped" not in dc.loads  # a held request that never loaded has no LoadResult

@@ -353,7 +353,8 @@ scrape_configs:
                     signals = {Pool.PREFILL: None}
                 p, d = signals.get(Pool.PREFILL), signals.get(Pool.DECODE)
                 if p is not None and d is not None and p.latency_p90 and d.latency_p90:
-                    break
+                    if p.throughput > 0 and d.throughput > 0:
+                        break
                 await asyncio.sleep(0.5)
     finally:
         proc.terminate()
@@ -367,3 +368,4 @@ scrape_configs:
     assert p.arrivals > 0 and p.throughput > 0 and d.throughput > 0
     assert (p.waiting, p.running, p.kv_usage) == (3, 1, 0.2)
     assert (d.waiting, d.running, d.kv_usage) == (2, 12, 0.5)
+    assert (p.warm_replicas, d.warm_replicas) == (1, 1)

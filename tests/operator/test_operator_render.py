@@ -455,3 +455,15 @@ def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_operator_imports_stay_light() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tandem.operator.cli, tandem.operator.handlers; "
+        "heavy = {'torch', 'transformers', 'triton'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
