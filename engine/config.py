@@ -74,6 +74,9 @@ class CacheConfig:
     # Exactly this many blocks when set; otherwise sized from kv_cache_memory_bytes.
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # On CUDA: the fraction of the GPU's memory the weights, activations and KV cache may use;
+    # the KV cache gets what the loaded model leaves of it (as in vLLM). Ignored on CPU.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -81,6 +84,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 @dataclass(slots=True, frozen=True)

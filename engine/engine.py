@@ -98,7 +98,7 @@ class Engine:
         cache = config.cache
         bs = cache.block_size
         spec = KVCacheSpec(1, arch.num_layers, bs, arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // spec.block_bytes)
+        num_blocks = cache.num_blocks or max(1, self._kv_budget(cache, device) // spec.block_bytes)
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of "
@@ -125,6 +125,20 @@ class Engine:
         self.connector: Any = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    @staticmethod
+    def _kv_budget(cache: Any, device: torch.device) -> int:
+        if device.type != "cuda":
+            return cache.kv_cache_memory_bytes
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave room for activations and CUDA graphs: 5% of the card beyond what is used now.
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - int(0.05 * total)
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{cache.gpu_memory_utilization}"
+            )
+        return budget
 
     def _capture_graphs(self, max_num_seqs: int) -> None:
         from tandem.engine.model_runner import DecodeGraphs

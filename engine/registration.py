@@ -29,12 +29,17 @@ class Registrar:
         self._load = load
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
         self.registered = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop heartbeating and deregister; idempotent (drain, then shutdown, both call it)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -204,6 +204,7 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
                 config.router_url, service.info, service.load, config.heartbeat_interval_s
             )
             registrar.start()
+        app.state.registrar = registrar
         try:
             yield
         finally:
@@ -245,6 +246,22 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> FastAPI:
             }
 
         return await asyncio.wrap_future(s.thread.call(snapshot))
+
+    @app.api_route("/v1/internal/drain", methods=["GET", "POST"])
+    async def drain(request: Request, timeout: float = 50.0) -> Response:
+        """Scale-down (Kubernetes preStop): leave the router's registry, refuse new work, and
+        return once in-flight requests are done (and a prefill's pinned KV is pulled or its
+        lease expired), or after ``timeout`` seconds."""
+        s = svc(request)
+        s.draining = True
+        registrar = request.app.state.registrar
+        if registrar is not None:
+            await registrar.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(timeout, 3600.0))
+        while s.thread.busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return JSONResponse({"drained": not s.thread.busy(), "engine_id": s.engine_id})
 
     @app.post("/v1/internal/abort")
     async def abort(request: Request) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from tandem.engine.config import Role
@@ -36,8 +37,9 @@ def parser(role: Role) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument(
         "--advertise-host",
-        default=None,
-        help="address peers and the router use to reach this worker (default --host)",
+        default=os.environ.get("TANDEM_ADVERTISE_HOST") or None,
+        help="address peers and the router use to reach this worker "
+        "(default $TANDEM_ADVERTISE_HOST, else --host)",
     )
     p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
     p.add_argument("--kv-transport", choices=["ucx", "tcp"], default="ucx")

@@ -152,7 +152,7 @@ def router_args(owner: Owner, spec: TandemServiceSpec) -> list[str]:
     args = [
         "router",
         "--model",
-        spec.model.name,
+        spec.model.argument,
         "--host",
         "0.0.0.0",
         "--port",
@@ -162,6 +162,9 @@ def router_args(owner: Owner, spec: TandemServiceSpec) -> list[str]:
         "--local-prefill-threshold",
         str(spec.router.local_prefill_threshold),
     ]
+    if spec.model.argument != spec.model.name:
+        # The router loads the tokenizer from the model path and serves it under the name.
+        args += ["--served-model-name", spec.model.name]
     if spec.router.api_key_secret is not None:
         args += ["--api-key-file", f"/etc/tandem/api-key/{spec.router.api_key_secret.key}"]
     return args
@@ -276,6 +279,13 @@ def _deployment(
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
+    if worker is not None:
+        # Scale-down drain: the worker leaves the router's registry, refuses new requests and
+        # finishes its in-flight ones (a prefill also waits for its pinned KV to be pulled)
+        # before Kubernetes sends SIGTERM; bounded by terminationGracePeriodSeconds.
+        container["lifecycle"] = {
+            "preStop": {"httpGet": {"path": "/v1/internal/drain?timeout=50", "port": "http"}}
+        }
     pod_spec: dict[str, Any] = {
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,

@@ -197,7 +197,7 @@ def test_render_commands() -> None:
     assert router["args"] == [
         "router",
         "--model",
-        "llama-3-8b-instruct",
+        "/models/llama-3-8b-instruct",
         "--host",
         "0.0.0.0",
         "--port",
@@ -206,6 +206,8 @@ def test_render_commands() -> None:
         "prefix-aware",
         "--local-prefill-threshold",
         "128",
+        "--served-model-name",
+        "llama-3-8b-instruct",
         "--api-key-file",
         "/etc/tandem/api-key/api-key",
     ]
@@ -236,6 +238,10 @@ def test_render_commands() -> None:
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in decode["volumeMounts"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert decode[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert decode["lifecycle"] == {
+        "preStop": {"httpGet": {"path": "/v1/internal/drain?timeout=50", "port": "http"}}
+    }
+    assert "lifecycle" not in router
     assert decode["ports"] == [{"name": "http", "containerPort": 8200, "protocol": "TCP"}]
 
 
