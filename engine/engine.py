@@ -249,8 +249,9 @@ class Engine:
         ids = {rid for rid, r in self._requests.items() if rid in wanted or r.group_id in wanted}
         ids |= wanted & self.scheduler.pinned.keys()
         if self.connector is not None:
-            remote = {r.request_id for r in self.scheduler.waiting if r.kv_transfer_params}
-            for rid in ids & (self.scheduler.pinned.keys() | self.scheduler.loading.keys() | remote):
+            sched = self.scheduler
+            remote = {r.request_id for r in sched.waiting if r.kv_transfer_params}
+            for rid in ids & (sched.pinned.keys() | sched.loading.keys() | remote):
                 self.connector.abort(rid)
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [self._final(r) for r in done]

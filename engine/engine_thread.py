@@ -75,11 +75,6 @@ class EngineThread:
         thread: it reads container sizes, enough to decide whether a drain is done."""
         return self._busy()
 
-    def busy(self) -> bool:
-        """Any request running, queued, loading KV or holding pinned KV (read from any thread:
-        a snapshot of container sizes, good enough to decide whether a drain is done)."""
-        return self._busy()
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set():

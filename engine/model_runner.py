@@ -69,11 +69,15 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Build the packed inputs for one step (pure bookkeeping on the host)."""
+        """Build the packed inputs for one step (pure bookkeeping on the host).
+
+        Per step and per sequence, so it stays in plain Python for decode rows (one token) and
+        uses numpy only for prefill chunks.
+        """
         bs = self.spec.block_size
         ids: list[int] = []
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         qlens: list[int] = []
         slens: list[int] = []
         sample_rows: list[int] = []
@@ -83,29 +87,37 @@ class ModelRunner:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_new_tokens
-            ids.extend(req.all_token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            table = req.block_ids
+            if s.num_new_tokens == 1:
+                ids.append(req.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.all_token_ids[start:end])
+                pos = np.arange(start, end, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend(
+                    (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
+                )
             qlens.append(s.num_new_tokens)
             slens.append(end)
-            max_blocks = max(max_blocks, len(req.block_ids))
+            max_blocks = max(max_blocks, len(table))
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(req.request_id)
         block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
             block_tables[i, : len(s.request.block_ids)] = s.request.block_ids
-        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
-        np.cumsum(qlens, out=qsl[1:])
         dev = self.device
         seq_lens = torch.tensor(slens, dtype=torch.int32)
+        query_lens = torch.tensor(qlens, dtype=torch.int32)
+        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            query_start_loc=qsl.to(dev),
             seq_lens=seq_lens.to(dev),
-            context_lens=(seq_lens - torch.tensor(qlens, dtype=torch.int32)).to(dev),
+            context_lens=(seq_lens - query_lens).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=max(qlens),
             max_seq_len=max(slens),
@@ -114,7 +126,7 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_request_ids=sample_ids,

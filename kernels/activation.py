@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tandem.kernels.launch import FLOAT_DTYPES, check_dtype, check_launchable
 
 

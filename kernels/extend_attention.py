@@ -20,6 +20,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from tandem.kernels.launch import (
     FLOAT_DTYPES,
     check_dtype,

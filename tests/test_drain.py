@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import openai
-
 from procs import Proc, free_port, wait_for
+
 from tandem.engine.demo import expected_answer, make_user_message
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from procs import Proc, free_port, wait_for
+
 from tandem.engine.demo import expected_answer, held_out_inputs, make_user_message
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+
 from tandem.kernels.cuda_graph import (
     DecodeGraphRunner,
     GraphInput,

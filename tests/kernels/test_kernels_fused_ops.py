@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tandem.kernels.rms_norm import rms_norm, rms_norm_ref
 from tandem.kernels.rope_cache import compute_cos_sin_cache, compute_inv_freq

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tandem.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from tandem.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from tandem.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from tandem.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
 from tandem.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref

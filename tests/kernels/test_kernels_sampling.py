@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kernels.sampling import (
     greedy_sample,
     greedy_sample_ref,
