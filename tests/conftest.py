@@ -37,6 +37,7 @@ def write_random_checkpoint(
     tie_word_embeddings: bool = False,
     rope_scaling: dict | None = None,
     seed: int = 0,
+    max_shard_size: str | None = None,
 ) -> Path:
     """Save a random-weight model of the given family plus the demo byte-level tokenizer."""
     import torch
@@ -73,7 +74,10 @@ def write_random_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)  # HF zero-inits biases; make Qwen2's QKV bias matter
-    model.save_pretrained(path)
+    if max_shard_size is None:
+        model.save_pretrained(path)
+    else:  # several safetensors files plus model.safetensors.index.json
+        model.save_pretrained(path, max_shard_size=max_shard_size)
     build_tokenizer().save_pretrained(path)
     return path
 

@@ -113,3 +113,45 @@ def test_demo_model_matches_hf() -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("arch", "kwargs"),
+    [
+        ("mistral", {}),
+        ("qwen3", {}),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "max_shard_size": "100KB",
+            },
+        ),
+    ],
+    ids=["mistral", "qwen3-qk-norm", "llama-rope-linear", "llama-rope-llama3-sharded"],
+)
+def test_other_families_and_rope_scaling_match_hf(arch: str, kwargs: dict, tmp_path: Path) -> None:
+    from conftest import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path, arch, **kwargs)
+    if "max_shard_size" in kwargs:
+        assert (path / "model.safetensors.index.json").is_file()
+    prompts = random_prompts(8, 300, (5, 17, 70, 130))
+    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    outs = LLM(str(path), num_blocks=96).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM"):
+        LLM(str(tmp_path))
