@@ -1,59 +1,273 @@
-"""Prefix-aware routing vs least-load vs round-robin on a shared-prefix workload.
+"""Prefix-aware vs round-robin routing on a multi-turn chat workload, against a sticky oracle.
 
-The workload has ``--groups`` long shared prefixes (think system prompts or few-shot examples),
-each followed by ``--per-group`` distinct suffixes; requests interleave across groups (seeded
-shuffle) and run ``--concurrency`` at a time. With several workers, a prefix-aware router keeps
-each group on the worker that already caches its prefix: the workers' prefix-cache hit rate rises
-and TTFT falls.
+Workload: ``--sessions`` chat sessions of ``--turns`` turns. Turn t sends, through
+``/v1/chat/completions`` (the model's chat template), the whole history of turns < t (user messages
+and the assistant's actual replies) plus a new user message of about ``--user-chars`` characters.
+A seeded schedule interleaves the sessions; at most ``--concurrency`` turns are in flight, and a
+session's next turn starts only after its previous one finished, as a chat client would. Replies
+have a fixed length: ``max_tokens`` with ``ignore_eos``, greedy.
 
-Reports, per policy: TTFT p50/p99, end-to-end mean, request throughput, the workers' prefix-cache
-hit rate (from ``tandem_prefix_cache_{hit,queried}_tokens_total`` deltas) and the router's
-placement decisions. Writes JSON (``--json``) and, if matplotlib is installed, a PNG (``--png``).
+Model: by default a random-weight Llama written to a temp dir (hidden 256, 4 layers, GQA,
+vocab 4096, 2048 context) with the demo's byte-level tokenizer and chat template (one token per
+byte). Its output head is zero outside printable ASCII, so greedy replies are ASCII text that
+tokenizes back to exactly the generated ids, and the history a client sends back is the history
+the worker cached.
 
-    # one run against a running deployment:
-    python benchmarks/prefix_routing.py --router-url http://127.0.0.1:8000
-    # or let the script run `tandem up` once per policy (real workers):
-    python benchmarks/prefix_routing.py --launch --prefill 0 --decode 2 --model demo
+Sticky-session oracle: each session pinned to one worker, no eviction. A turn's prompt then hits
+the longest common prefix with any earlier turn's computed tokens (its prompt plus its reply less
+the last token, whose KV is never computed), in full blocks, leaving at least one prompt token to
+compute (the engine's own cap). It is computed from each run's own transcript with the model's
+tokenizer, exactly as the router tokenizes.
+
+Per policy (``tandem up --prefill 0 --decode N --policy P``, one deployment per policy, same
+workload and seed): the workers' prefix-cache hit rate (deltas of
+``tandem_prefix_cache_{hit,queried}_tokens_total``), the same from the responses'
+``usage.prompt_tokens_details.cached_tokens``, the oracle rate, TTFT p50/p90 (client side, time to
+the first content chunk), throughput and the router's placement reasons. Prints a table and JSON
+(``--json``).
+
+    python benchmarks/prefix_routing.py --launch            # random Llama, 2 colocated workers
+    python benchmarks/prefix_routing.py --router-url http://127.0.0.1:8000 --model-dir DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
+import platform
 import random
 import signal
+import statistics
 import string
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-POLICIES = ("prefix-aware", "least-load", "round-robin")
+POLICIES = ("prefix-aware", "round-robin")
+TARGET_HIT_VS_ORACLE = 0.90
+TARGET_TTFT_SPEEDUP = 1.5
+FIRST_PRINTABLE, LAST_PRINTABLE = 0x20, 0x7E
 
 
-def make_workload(groups: int, per_group: int, prefix_chars: int, suffix_chars: int,
-                  seed: int) -> list[str]:  # fmt: skip
-    rng = random.Random(seed)
-    alphabet = string.ascii_lowercase + " "
-    prefixes = ["".join(rng.choice(alphabet) for _ in range(prefix_chars)) for _ in range(groups)]
-    prompts = [
-        p + "".join(rng.choice(alphabet) for _ in range(suffix_chars))
-        for p in prefixes
-        for _ in range(per_group)
-    ]
-    rng.shuffle(prompts)
-    return prompts
+# -- workload -------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class WorkloadConfig:
+    sessions: int
+    turns: int
+    user_chars: int
+    max_tokens: int
+    concurrency: int
+    seed: int
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
+@dataclass(slots=True, frozen=True)
+class Workload:
+    """``messages[s][t]`` is session s's user message at turn t. ``schedule`` lists session ids,
+    each ``turns`` times: its k-th occurrence is that session's turn k."""
+
+    messages: tuple[tuple[str, ...], ...]
+    schedule: tuple[int, ...]
+
+
+def make_workload(cfg: WorkloadConfig) -> Workload:
+    if cfg.sessions < 1 or cfg.turns < 1 or cfg.user_chars < 8:
+        raise ValueError("need sessions >= 1, turns >= 1 and user_chars >= 8")
+    rng = random.Random(cfg.seed)
+    letters = string.ascii_lowercase
+
+    def message() -> str:
+        n = rng.randint(cfg.user_chars * 3 // 4, cfg.user_chars * 5 // 4)
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < n:
+            words.append("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))))
+        return " ".join(words)[:n]
+
+    messages = tuple(tuple(message() for _ in range(cfg.turns)) for _ in range(cfg.sessions))
+    schedule = [s for s in range(cfg.sessions) for _ in range(cfg.turns)]
+    rng.shuffle(schedule)
+    return Workload(messages, tuple(schedule))
+
+
+@dataclass(slots=True, frozen=True)
+class TurnResult:
+    session: int
+    turn: int
+    messages: tuple[tuple[str, str], ...]  # (role, content) sent, ending with this turn's user
+    reply: str
+    start_s: float  # perf_counter when the request was sent
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # usage.prompt_tokens_details.cached_tokens: the worker's prefix hit
+
+
+def chat_body(model: str, messages: tuple[tuple[str, str], ...], max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": r, "content": c} for r, c in messages],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def chat_turn(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[str, float, float, dict[str, Any]]:
+    """One streamed chat completion: (reply, ttft, e2e, usage). TTFT = first non-empty content."""
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat completion failed: {r.status_code} {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[len("data: ") :])
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for choice in obj.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                if text and ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(text)
+    end = time.perf_counter() - t0
+    return "".join(parts), ttft if ttft is not None else end, end, usage
+
+
+async def run_sessions(
+    url: str, model: str, wl: Workload, cfg: WorkloadConfig, headers: dict[str, str]
+) -> list[TurnResult]:
+    """Dispatch the schedule: the earliest pending turn whose session is idle, up to
+    ``concurrency`` in flight."""
+    history: list[list[tuple[str, str]]] = [[] for _ in wl.messages]
+    next_turn = [0] * len(wl.messages)
+    busy: set[int] = set()
+    pending = list(wl.schedule)
+    results: list[TurnResult] = []
+    errors: list[Exception] = []
+    done = asyncio.Condition()
+
+    async def one(client: httpx.AsyncClient, s: int) -> None:
+        t = next_turn[s]
+        msgs = (*history[s], ("user", wl.messages[s][t]))
+        try:
+            body = chat_body(model, msgs, cfg.max_tokens)
+            start = time.perf_counter()
+            reply, ttft, e2e, usage = await chat_turn(client, url, body)
+        except Exception as exc:  # noqa: BLE001 - re-raised by the dispatcher
+            errors.append(exc)
+        else:
+            details = usage.get("prompt_tokens_details") or {}
+            results.append(
+                TurnResult(s, t, msgs, reply, start, ttft, e2e, int(usage.get("prompt_tokens", -1)),
+                           int(usage.get("completion_tokens", -1)),
+                           int(details.get("cached_tokens", 0)))
+            )  # fmt: skip
+            history[s] = [*msgs, ("assistant", reply)]
+            next_turn[s] = t + 1
+        async with done:
+            busy.discard(s)
+            done.notify_all()
+
+    limits = httpx.Limits(max_connections=cfg.concurrency + 4)
+    async with httpx.AsyncClient(timeout=900, headers=headers, limits=limits) as client:
+        tasks: list[asyncio.Task[None]] = []
+        while pending and not errors:
+            async with done:
+                await done.wait_for(
+                    lambda: (
+                        bool(errors)
+                        or (len(busy) < cfg.concurrency and any(s not in busy for s in pending))
+                    )
+                )
+                if errors:
+                    break
+                s = next(s for s in pending if s not in busy)
+                pending.remove(s)
+                busy.add(s)
+            tasks.append(asyncio.create_task(one(client, s)))
+        await asyncio.gather(*tasks)
+    if errors:
+        raise errors[0]
+    return sorted(results, key=lambda r: (r.session, r.turn))
+
+
+# -- oracle ---------------------------------------------------------------------------------------
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def sticky_hit_tokens(earlier: list[list[int]], prompt: list[int], block_size: int) -> int:
+    """Tokens of ``prompt`` a worker that computed every sequence in ``earlier`` (and evicted
+    nothing) serves from its prefix cache: full blocks only, at least one token left to compute."""
+    cap = (len(prompt) - 1) // block_size * block_size
+    best = max((common_prefix_len(seq, prompt) for seq in earlier), default=0)
+    return min(best // block_size * block_size, cap)
+
+
+@dataclass(slots=True, frozen=True)
+class OracleReport:
+    prompt_tokens: int
+    hit_tokens: int
+    prompt_token_mismatches: int  # turns whose tokenized prompt length differs from usage
+    reply_roundtrip_failures: int  # replies that do not tokenize back to completion_tokens ids
+    per_turn_hits: tuple[int, ...]  # in the order of the results given
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def sticky_oracle(results: list[TurnResult], tokenizer: Any, block_size: int) -> OracleReport:
+    """The sticky-session hit rate of this run's own transcript (``results`` sorted by session,
+    turn). Tokenizes exactly as the router does: chat template to text, then no special tokens."""
+    computed: dict[int, list[list[int]]] = collections.defaultdict(list)
+    total = hits = mismatches = roundtrip = 0
+    per_turn: list[int] = []
+    for r in results:
+        text = tokenizer.apply_chat_template(
+            [{"role": ro, "content": c} for ro, c in r.messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        prompt = list(tokenizer.encode(text, add_special_tokens=False))
+        reply = list(tokenizer.encode(r.reply, add_special_tokens=False))
+        mismatches += len(prompt) != r.prompt_tokens
+        roundtrip += len(reply) != r.completion_tokens
+        total += len(prompt)
+        per_turn.append(sticky_hit_tokens(computed[r.session], prompt, block_size))
+        hits += per_turn[-1]
+        computed[r.session].append(prompt + reply[:-1])
+    return OracleReport(total, hits, mismatches, roundtrip, tuple(per_turn))
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """Prometheus text at ``url`` as {(sample name, sorted labels): value}."""
-    text = httpx.get(url, timeout=10, headers=headers).text
+    text = httpx.get(url, timeout=10).text
     out: dict[tuple[str, tuple], float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -65,48 +279,41 @@ def total(samples: dict[tuple[str, tuple], float], name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
-def worker_cache_counters(router_url: str) -> tuple[float, float]:
-    workers = httpx.get(f"{router_url}/internal/workers", timeout=10).json()["workers"]
-    hit = queried = 0.0
+def list_workers(router_url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{router_url}/internal/workers", timeout=10).json()["workers"]
+
+
+def worker_cache_counters(workers: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """{engine_id: (hit tokens, queried tokens)}; raises if a worker has no metrics (the rate
+    would silently cover part of the pool)."""
+    out = {}
     for w in workers:
-        try:
-            s = scrape(f"{w['url']}/metrics")
-        except (httpx.HTTPError, ValueError):
-            continue  # a worker without metrics counts as no data
-        hit += total(s, "tandem_prefix_cache_hit_tokens_total")
-        queried += total(s, "tandem_prefix_cache_queried_tokens_total")
-    return hit, queried
+        s = scrape(f"{w['url']}/metrics")
+        out[w["engine_id"]] = (
+            total(s, "tandem_prefix_cache_hit_tokens_total"),
+            total(s, "tandem_prefix_cache_queried_tokens_total"),
+        )
+    return out
 
 
-async def one(c: httpx.AsyncClient, router_url: str, model: str, prompt: str,
-              max_tokens: int) -> tuple[float, float]:  # fmt: skip
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True}  # fmt: skip
-    t0 = time.perf_counter()
-    ttft = None
-    async with c.stream("POST", f"{router_url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"text":""' not in line:
-                ttft = time.perf_counter() - t0
-    end = time.perf_counter() - t0
-    return ttft if ttft is not None else end, end
-
-
-async def run_workload(args: argparse.Namespace, router_url: str,
-                       headers: dict[str, str]) -> list[tuple[float, float]]:  # fmt: skip
-    prompts = make_workload(args.groups, args.per_group, args.prefix_chars, args.suffix_chars,
-                            args.seed)  # fmt: skip
-    sem = asyncio.Semaphore(args.concurrency)
-    results: list[tuple[float, float]] = []
-    async with httpx.AsyncClient(timeout=600, headers=headers) as c:
-
-        async def go(p: str) -> None:
-            async with sem:
-                results.append(await one(c, router_url, args.model, p, args.max_tokens))
-
-        await asyncio.gather(*(go(p) for p in prompts))
-    return results
+def warm_workers(workers: list[dict[str, Any]], tokens: int = 512) -> None:
+    """One request straight to each worker (internal API) so first-forward costs are not timed.
+    Plain bytes without BOS: the prompt shares no block with the workload."""
+    rng = random.Random(12345)
+    for i, w in enumerate(workers):
+        body = {
+            "request_id": f"prefix-bench-warmup-{i}-{time.time_ns()}",
+            "prompt_token_ids": [
+                rng.randrange(FIRST_PRINTABLE, LAST_PRINTABLE) for _ in range(tokens)
+            ],
+            "sampling_params": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
+            "kv_transfer_params": None,
+            "remote_decode": False,
+        }
+        with httpx.stream("POST", f"{w['url']}/v1/internal/generate", json=body, timeout=300) as r:
+            r.raise_for_status()
+            for _ in r.iter_lines():
+                pass
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -114,78 +321,197 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def measure(args: argparse.Namespace, router_url: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    hit0, q0 = worker_cache_counters(router_url)
-    before = scrape(f"{router_url}/metrics")
+def measure(
+    router_url: str, cfg: WorkloadConfig, tokenizer: Any, api_key: str | None
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = httpx.get(f"{router_url}/v1/models", headers=headers, timeout=10).json()["data"][0][
+        "id"
+    ]
+    workers = list_workers(router_url)
+    block_sizes = {httpx.get(f"{w['url']}/info", timeout=10).json()["block_size"] for w in workers}
+    if len(block_sizes) != 1:
+        raise RuntimeError(f"workers disagree on block_size: {sorted(block_sizes)}")
+    block_size = block_sizes.pop()
+    warm_workers(workers)
+    before_w = worker_cache_counters(workers)
+    before_r = scrape(f"{router_url}/metrics")
     t0 = time.perf_counter()
-    res = asyncio.run(run_workload(args, router_url, headers))
+    results = asyncio.run(run_sessions(router_url, model, make_workload(cfg), cfg, headers))
     wall = time.perf_counter() - t0
-    hit1, q1 = worker_cache_counters(router_url)
-    after = scrape(f"{router_url}/metrics")
+    after_w = worker_cache_counters(workers)
+    after_r = scrape(f"{router_url}/metrics")
+
     placements: dict[str, float] = {}
-    for (name, labels), v in after.items():
+    for (name, labels), v in after_r.items():
         if name == "tandem_router_placements_total":
             d = dict(labels)
             key = f"{d['pool']}/{d['reason']}"
-            placements[key] = placements.get(key, 0) + v - before.get((name, labels), 0.0)
-    ttfts = [r[0] for r in res]
+            placements[key] = placements.get(key, 0) + v - before_r.get((name, labels), 0.0)
+    hit = sum(after_w[e][0] - before_w[e][0] for e in after_w)
+    queried = sum(after_w[e][1] - before_w[e][1] for e in after_w)
+    oracle = sticky_oracle(results, tokenizer, block_size)
+    hit_rate = hit / queried if queried else 0.0
+    ttfts = [r.ttft_s for r in results]
+    t_first = min(r.start_s for r in results)
+    turns = [
+        [r.session, r.turn, round((r.start_s - t_first) * 1e3), round(r.ttft_s * 1e3, 1),
+         r.prompt_tokens, r.cached_tokens, o]
+        for r, o in zip(results, oracle.per_turn_hits, strict=True)
+    ]  # fmt: skip
+    by_turn = {
+        t: round(statistics.median(r.ttft_s for r in results if r.turn == t) * 1e3, 1)
+        for t in range(cfg.turns)
+    }
+    prompt_total = sum(r.prompt_tokens for r in results)
     return {
-        "requests": len(res),
-        "ttft_p50_ms": round(pct(ttfts, 50) * 1e3, 2),
-        "ttft_p99_ms": round(pct(ttfts, 99) * 1e3, 2),
-        "e2e_mean_ms": round(sum(r[1] for r in res) / len(res) * 1e3, 2),
-        "throughput_rps": round(len(res) / wall, 2),
-        "prefix_cache_hit_rate": round((hit1 - hit0) / (q1 - q0), 4) if q1 > q0 else None,
-        "placements": {k: v for k, v in sorted(placements.items()) if v},
+        "requests": len(results),
+        "workers": len(workers),
+        "wall_s": round(wall, 2),
+        "ttft_p50_ms": round(pct(ttfts, 50) * 1e3, 1),
+        "ttft_p90_ms": round(pct(ttfts, 90) * 1e3, 1),
+        "ttft_p50_ms_by_turn": by_turn,
+        "e2e_mean_ms": round(statistics.fmean(r.e2e_s for r in results) * 1e3, 1),
+        "throughput_rps": round(len(results) / wall, 3),
+        "output_tok_s": round(sum(r.completion_tokens for r in results) / wall, 1),
+        "prompt_tokens": prompt_total,
+        "hit_rate": round(hit_rate, 4),
+        "hit_tokens": int(hit),
+        "queried_tokens": int(queried),
+        "usage_hit_rate": round(sum(r.cached_tokens for r in results) / prompt_total, 4),
+        "oracle_hit_rate": round(oracle.hit_rate, 4),
+        "oracle_hit_tokens": oracle.hit_tokens,
+        "hit_vs_oracle": round(hit_rate / oracle.hit_rate, 4) if oracle.hit_rate else None,
+        "oracle_prompt_token_mismatches": oracle.prompt_token_mismatches,
+        "reply_roundtrip_failures": oracle.reply_roundtrip_failures,
+        "placements": {k: int(v) for k, v in sorted(placements.items()) if v},
+        "turn_fields": [
+            "session",
+            "turn",
+            "start_ms",
+            "ttft_ms",
+            "prompt_tokens",
+            "cached_tokens",
+            "oracle_cached_tokens",
+        ],
+        "turns": turns,
     }
 
 
-def launch_up(args: argparse.Namespace, policy: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "tandem.cli", "up", "--model", args.model, "--port",
+# -- deployment -----------------------------------------------------------------------------------
+def write_chat_llama(out: Path, seed: int = 0) -> Path:
+    """A random-weight Llama (hidden 256, 4 layers, GQA, vocab 4096, 2048 context) with the demo
+    tokenizer. The output head is zero outside printable ASCII: those logits are 0 while the max
+    over 95 random printable rows is positive, so greedy picks printable ASCII."""
+    import torch
+    import transformers
+
+    from tandem.engine.demo.tokenizer_build import build_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        keep = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        keep[FIRST_PRINTABLE : LAST_PRINTABLE + 1] = True
+        model.lm_head.weight[~keep] = 0.0
+    model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+class UpProcess:
+    """A `tandem up` process group; drains its output so it never blocks on a full pipe."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], ready_timeout_s: float) -> None:
+        self.tail: collections.deque[str] = collections.deque(maxlen=50)
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)  # fmt: skip
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("tandem up did not get ready:\n" + "".join(self.tail))
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self.tail.append(line)
+            if "Tandem is ready" in line:
+                self._ready.set()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def launch_up(args: argparse.Namespace, policy: str) -> UpProcess:
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--model", args.model_dir, "--port",
             str(args.port), "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--policy", policy, "--kv-transport", args.kv_transport]  # fmt: skip
+    for opt in args.engine_option:
+        argv += ["--engine-option", opt]
+    env = dict(os.environ)
     if args.api_key:
         argv += ["--api-key", args.api_key]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.decode(errors="replace")
-        sys.stderr.write(line)
-        if "Tandem is ready" in line:
-            return proc
-    raise RuntimeError(f"tandem up exited with {proc.wait()} before it was ready")
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return UpProcess(argv, env, ready_timeout_s=600)
 
 
-def stop_up(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
+# -- report ---------------------------------------------------------------------------------------
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs ({cpu}), load average {os.getloadavg()[0]:.1f} at start"
 
 
-def plot(results: dict[str, dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
+def table(results: dict[str, dict[str, Any]]) -> str:
+    cols = [("policy", "{}"), ("hit rate", "{:.3f}"), ("oracle", "{:.3f}"),
+            ("hit/oracle", "{:.3f}"), ("TTFT p50 ms", "{:.1f}"), ("TTFT p90 ms", "{:.1f}"),
+            ("e2e mean ms", "{:.1f}"), ("req/s", "{:.2f}"), ("out tok/s", "{:.1f}")]  # fmt: skip
+    keys = [None, "hit_rate", "oracle_hit_rate", "hit_vs_oracle", "ttft_p50_ms", "ttft_p90_ms",
+            "e2e_mean_ms", "throughput_rps", "output_tok_s"]  # fmt: skip
+    rows = [[name] + [fmt.format(r[k] or 0) for (_, fmt), k in zip(cols[1:], keys[1:],
+                                                                     strict=True)]
+            for name, r in results.items()]  # fmt: skip
+    head = [c for c, _ in cols]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    lines = [" | ".join(x.ljust(w) for x, w in zip(row, widths, strict=True))
+             for row in [head, *rows]]  # fmt: skip
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG", file=sys.stderr)
-        return
-    names = list(results)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(names, [results[n]["ttft_p50_ms"] for n in names], label="p50")
-    axes[0].bar(names, [results[n]["ttft_p99_ms"] for n in names], alpha=0.4, label="p99")
-    axes[0].set_ylabel("TTFT (ms)")
-    axes[0].legend()
-    axes[1].bar(names, [results[n]["prefix_cache_hit_rate"] or 0 for n in names])
-    axes[1].set_ylabel("prefix cache hit rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    pa, rr = results.get("prefix-aware"), results.get("round-robin")
+    if pa is not None:
+        out["hit_vs_oracle"] = pa["hit_vs_oracle"]
+        out["hit_target_met"] = (pa["hit_vs_oracle"] or 0) >= TARGET_HIT_VS_ORACLE
+    if pa is not None and rr is not None:
+        speedup = rr["ttft_p50_ms"] / pa["ttft_p50_ms"]
+        out["ttft_p50_speedup_rr_over_pa"] = round(speedup, 3)
+        out["ttft_p90_speedup_rr_over_pa"] = round(rr["ttft_p90_ms"] / pa["ttft_p90_ms"], 3)
+        out["ttft_target_met"] = speedup >= TARGET_TTFT_SPEEDUP
+    return out
 
 
 def main() -> int:
@@ -193,39 +519,71 @@ def main() -> int:
     p.add_argument("--router-url", default=None, help="measure a running router (one policy)")
     p.add_argument("--launch", action="store_true", help="run `tandem up` once per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--model", default="demo")
-    p.add_argument("--prefill", type=int, default=0)
+    p.add_argument("--model-dir", default=None,
+                   help="model directory (default: write a random chat Llama to a temp dir); "
+                        "with --router-url, the tokenizer for the oracle")  # fmt: skip
+    p.add_argument("--prefill", type=int, default=0, help="0 = colocated workers")
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--kv-transport", default="tcp")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS for every launched process (0 = inherit)",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=8)
-    p.add_argument("--prefix-chars", type=int, default=160)
-    p.add_argument("--suffix-chars", type=int, default=12)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--user-chars", type=int, default=300, help="mean user message length")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8, help="turns in flight at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument("--png", default=None)
     args = p.parse_args()
     if not args.launch and not args.router_url:
         p.error("give --router-url or --launch")
+    if args.router_url and not args.model_dir:
+        p.error("--router-url needs --model-dir (the tokenizer for the oracle)")
+    if args.model_dir is None:
+        args.model_dir = str(write_chat_llama(Path(tempfile.mkdtemp(prefix="tandem-chat-llama-"))))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    cfg = WorkloadConfig(args.sessions, args.turns, args.user_chars, args.max_tokens,
+                         args.concurrency, args.seed)  # fmt: skip
+    env_note = machine()
     results: dict[str, dict[str, Any]] = {}
     if args.launch:
         for policy in args.policies.split(","):
-            proc = launch_up(args, policy)
+            print(f"== {policy}: starting tandem up", file=sys.stderr, flush=True)
+            up = launch_up(args, policy)
             try:
-                results[policy] = measure(args, f"http://127.0.0.1:{args.port}")
+                results[policy] = measure(f"http://127.0.0.1:{args.port}", cfg, tokenizer,
+                                          args.api_key)  # fmt: skip
             finally:
-                stop_up(proc)
+                up.stop()
+            print(f"== {policy}: {json.dumps(results[policy])}", file=sys.stderr, flush=True)
     else:
-        results["as-deployed"] = measure(args, args.router_url.rstrip("/"))
-    print(json.dumps(results, indent=2))
+        results["as-deployed"] = measure(args.router_url.rstrip("/"), cfg, tokenizer, args.api_key)
+    report = {
+        "machine": env_note,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "workload": asdict(cfg),
+        "deployment": {
+            "prefill": args.prefill,
+            "decode": args.decode,
+            "threads": args.threads,
+            "model_dir": args.model_dir,
+        },  # fmt: skip
+        "results": results,
+        "summary": summary(results),
+    }
+    print(table(results))
+    print(json.dumps(report, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    if args.png:
-        plot(results, args.png)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -43,9 +43,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.queried_tokens += request.num_tokens
-        self.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission (not per retry of a request that did not fit)."""
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
 
     def allocate_slots(
         self,

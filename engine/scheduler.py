@@ -136,6 +136,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hits, num_hit):
                 break  # FCFS: nobody jumps a request that does not fit
             req.num_computed_tokens = num_hit
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -163,6 +164,7 @@ class Scheduler:
         num_prompt_blocks = cdiv(prompt_len, self.kv.block_size)
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
+        self.kv.record_prefix_query(req.num_tokens, num_hit)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[req.request_id] = req
         out.loads.append(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from tandem.kvtransfer.types import FailureReason
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -35,8 +37,12 @@ class KVTransferMetrics:
 def create_kv_transfer_metrics(
     registry: CollectorRegistry, model: str, role: str
 ) -> KVTransferMetrics:
-    """Register the three connector metrics on ``registry`` (call once per registry)."""
-    return KVTransferMetrics(
+    """Register the three connector metrics on ``registry`` (call once per registry).
+
+    Every known failure reason starts at 0, so a healthy worker already exports the series:
+    dashboards and alerts on their rate see 0 rather than no data until the first failure.
+    """
+    metrics = KVTransferMetrics(
         bytes_total=Counter(
             "tandem_kv_transfer_bytes_total",
             "KV cache bytes moved by the connector",
@@ -59,3 +65,6 @@ def create_kv_transfer_metrics(
         model=model,
         role=role,
     )
+    for reason in FailureReason:
+        metrics.failures_total.labels(model, role, reason.value)
+    return metrics

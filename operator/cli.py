@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the operator's own metrics on this port (0 disables; default 8081)",
     )
     parser.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address the operator's metrics endpoint binds to (default 0.0.0.0)",
+    )
+    parser.add_argument(
         "--liveness",
         default=None,
         metavar="URL",
@@ -78,6 +83,7 @@ def main(argv: list[str]) -> int:
     cfg = OperatorConfig(
         resync_seconds=args.resync_seconds,
         scrape_timeout_seconds=args.scrape_timeout_seconds,
+        metrics_host=args.metrics_host,
         metrics_port=args.metrics_port or None,
     )
     registry = build_registry(cfg)

@@ -13,8 +13,21 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
-from tandem.operator.autoscaler import Decision
+from tandem.operator.autoscaler import Decision, Reason
 from tandem.operator.reconcile import PoolStatus
+
+# The reasons under which a decision moves the replica count. Their changed="true" series start
+# at 0 when a pool is first evaluated: Prometheus' increase() cannot count the step of a series
+# that first appears at 1, so without this the dashboard would show no scaling for a first scale.
+SCALING_REASONS = (
+    Reason.CLAMPED_TO_BOUNDS,
+    Reason.SCALE_TO_MIN_IDLE,
+    Reason.SCALE_UP_LATENCY,
+    Reason.SCALE_UP_QUEUE,
+    Reason.SCALE_UP_KV_CACHE,
+    Reason.SCALE_UP_RUNNING,
+    Reason.SCALE_DOWN_SLACK,
+)
 
 
 class OperatorMetrics:
@@ -63,6 +76,8 @@ class OperatorMetrics:
         self.desired.labels(namespace, name, pool).set(decision.desired)
         if decision.ratio is not None:
             self.load_ratio.labels(namespace, name, pool).set(decision.ratio)
+        for reason in SCALING_REASONS:
+            self.decisions.labels(namespace, name, pool, reason.camel, "true")
         changed = "true" if decision.changed else "false"
         self.decisions.labels(namespace, name, pool, decision.reason.camel, changed).inc()
 

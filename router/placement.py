@@ -6,10 +6,17 @@ precise prefix-cache scorer: reward the fraction of the prompt's blocks a worker
 penalize its load. Ties rotate (round-robin among the best) so equal workers share traffic.
 
     load  = kv_usage + (max(running + waiting, inflight) + waiting) / load_scale
-    score = prefix_weight * overlap_blocks / request_blocks - load_weight * load
+    score = prefix_weight * overlap_blocks / min(request_blocks, prefix_unit_blocks)
+            - load_weight * load
 
 ``inflight`` is the router's own count of requests it has sent there; it covers the up-to-a-second
 lag of heartbeats. Waiting requests count twice: they still need their prefill.
+
+The prefix term is the cached fraction of the prompt for prompts up to ``prefix_unit_blocks``; for
+longer prompts it counts cached blocks in units of ``prefix_unit_blocks``. Prefill work grows with
+the prompt while a queued request's cost does not, so a long cached history (multi-turn chat) must
+outweigh more queued requests than a short one: without this a session whose worker had 3 more
+requests in flight moved and recomputed its whole history (benchmarks/prefix_routing.py).
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ class Weights:
     prefix_weight: float = 1.0
     load_weight: float = 1.0
     load_scale: float = 4.0
+    prefix_unit_blocks: int = 16
+
+    def __post_init__(self) -> None:
+        if self.prefix_unit_blocks < 1:
+            raise ValueError(f"prefix_unit_blocks must be >= 1, got {self.prefix_unit_blocks}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +91,8 @@ def load_of(c: Candidate, weights: Weights) -> float:
 
 
 def score_of(c: Candidate, weights: Weights) -> float:
-    ratio = c.overlap_blocks / c.request_blocks if c.request_blocks > 0 else 0.0
+    unit = min(c.request_blocks, weights.prefix_unit_blocks)
+    ratio = c.overlap_blocks / unit if unit > 0 else 0.0
     return weights.prefix_weight * ratio - weights.load_weight * load_of(c, weights)
 
 
