@@ -140,32 +140,16 @@ class WorkerService:
 
 def build_requests(engine: Engine, req: Any) -> list[Any]:
     """On the engine thread: build and queue the request(s); ValueError leaves nothing queued."""
-    from tandem.kvtransfer.types import KVTransferParams
+    from tandem.decode.intake import attach_remote_kv
+    from tandem.prefill.intake import mark_remote_decode
 
     reqs = engine.make_requests(
         req.request_id, req.prompt_token_ids, req.params, priority=req.priority
     )
     if req.kv_transfer_params is not None:
-        if engine.connector is None:
-            raise BadRequest("this worker does not receive KV (colocated)", "kv_transfer_params")
-        params = KVTransferParams.from_dict(req.kv_transfer_params)
-        if len(params.block_ids) != engine.blocks_needed(len(req.prompt_token_ids)):
-            raise BadRequest(
-                "kv_transfer_params.block_ids does not cover the prompt", "kv_transfer_params"
-            )
-        if params.num_tokens != len(req.prompt_token_ids):
-            raise BadRequest(
-                "kv_transfer_params.num_tokens differs from the prompt length", "kv_transfer_params"
-            )
-        (r,) = reqs
-        if r.max_tokens <= 1:
-            raise BadRequest("max_tokens is already reached by the prefill's token", "max_tokens")
-        r.append_output_token(params.first_token_id)
-        r.kv_transfer_params = params
+        attach_remote_kv(engine, reqs, req.kv_transfer_params)
     if req.remote_decode:
-        if engine.connector is None or engine.scheduler.config.role != Role.PREFILL:
-            raise BadRequest("this worker is not a prefill worker", "remote_decode")
-        reqs[0].remote_decode = True
+        mark_remote_decode(engine, reqs)
     for r in reqs:
         engine.enqueue(r)
     return reqs

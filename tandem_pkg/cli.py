@@ -23,10 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd in ("prefill", "decode", "colocated"):
-        from tandem.engine.worker_cli import main as worker_main
+    if cmd == "prefill":
+        from tandem.prefill.cli import main as prefill_main
 
-        return worker_main(cmd, rest)
+        return prefill_main(rest)
+    if cmd in ("decode", "colocated"):
+        from tandem.decode.cli import main as decode_main
+
+        return decode_main(rest, role=cmd)
     if cmd == "router":
         from tandem.router.cli import main as router_main
 
