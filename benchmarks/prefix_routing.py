@@ -7,9 +7,10 @@ A seeded schedule interleaves the sessions; at most ``--concurrency`` turns are 
 session's next turn starts only after its previous one finished, as a chat client would. Replies
 have a fixed length: ``max_tokens`` with ``ignore_eos``, greedy.
 
-Model: by default a random-weight Llama written to a temp dir (hidden 256, 4 layers, GQA,
-vocab 4096, 2048 context) with the demo's byte-level tokenizer and chat template (one token per
-byte). Its output head is zero outside printable ASCII, so greedy replies are ASCII text that
+Model: by default a random-weight Llama written to a temp dir (``--hidden`` 384, ``--layers`` 6,
+GQA, vocab 4096, 2048 context) with the demo's byte-level tokenizer and chat template (one token
+per byte): big enough that prefill, not per-token serving overhead, dominates a worker's time on a
+CPU. Its output head is zero outside printable ASCII, so greedy replies are ASCII text that
 tokenizes back to exactly the generated ids, and the history a client sends back is the history
 the worker cached.
 
@@ -23,8 +24,10 @@ Per policy (``tandem up --prefill 0 --decode N --policy P``, one deployment per 
 workload and seed): the workers' prefix-cache hit rate (deltas of
 ``tandem_prefix_cache_{hit,queried}_tokens_total``), the same from the responses'
 ``usage.prompt_tokens_details.cached_tokens``, the oracle rate, TTFT p50/p90 (client side, time to
-the first content chunk), throughput and the router's placement reasons. Prints a table and JSON
-(``--json``).
+the first content chunk), throughput and the router's placement reasons. ``--repeats`` runs
+each policy on several fresh deployments, alternating the order, and pools the requests (a shared
+machine drifts). Prints a table and JSON (``--json`` adds every request's TTFT, cached and oracle
+tokens).
 
     python benchmarks/prefix_routing.py --launch            # random Llama, 2 colocated workers
     python benchmarks/prefix_routing.py --router-url http://127.0.0.1:8000 --model-dir DIR
@@ -321,13 +324,24 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def measure(
-    router_url: str, cfg: WorkloadConfig, tokenizer: Any, api_key: str | None
-) -> dict[str, Any]:
+@dataclass(slots=True, frozen=True)
+class RunRecord:
+    """One policy's measurement on one deployment."""
+
+    results: list[TurnResult]
+    oracle: OracleReport
+    wall_s: float
+    hit_tokens: float
+    queried_tokens: float
+    placements: dict[str, float]
+    per_worker: dict[str, dict[str, int]]
+
+
+def measure(router_url: str, cfg: WorkloadConfig, tokenizer: Any, api_key: str | None) -> RunRecord:
+    """Warm the workers, run the workload once through ``router_url`` and diff the counters."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = httpx.get(f"{router_url}/v1/models", headers=headers, timeout=10).json()["data"][0][
-        "id"
-    ]
+    models = httpx.get(f"{router_url}/v1/models", headers=headers, timeout=10).json()
+    model = models["data"][0]["id"]
     workers = list_workers(router_url)
     block_sizes = {httpx.get(f"{w['url']}/info", timeout=10).json()["block_size"] for w in workers}
     if len(block_sizes) != 1:
@@ -348,29 +362,51 @@ def measure(
             d = dict(labels)
             key = f"{d['pool']}/{d['reason']}"
             placements[key] = placements.get(key, 0) + v - before_r.get((name, labels), 0.0)
-    hit = sum(after_w[e][0] - before_w[e][0] for e in after_w)
-    queried = sum(after_w[e][1] - before_w[e][1] for e in after_w)
-    oracle = sticky_oracle(results, tokenizer, block_size)
-    hit_rate = hit / queried if queried else 0.0
-    ttfts = [r.ttft_s for r in results]
-    t_first = min(r.start_s for r in results)
-    turns = [
-        [r.session, r.turn, round((r.start_s - t_first) * 1e3), round(r.ttft_s * 1e3, 1),
-         r.prompt_tokens, r.cached_tokens, o]
-        for r, o in zip(results, oracle.per_turn_hits, strict=True)
-    ]  # fmt: skip
-    by_turn = {
-        t: round(statistics.median(r.ttft_s for r in results if r.turn == t) * 1e3, 1)
-        for t in range(cfg.turns)
+    delta = {e: (after_w[e][0] - before_w[e][0], after_w[e][1] - before_w[e][1]) for e in after_w}
+    per_worker = {
+        e[:8]: {"queried_tokens": int(q), "computed_tokens": int(q - h)}
+        for e, (h, q) in sorted(delta.items())
     }
+    return RunRecord(
+        results=results,
+        oracle=sticky_oracle(results, tokenizer, block_size),
+        wall_s=wall,
+        hit_tokens=sum(h for h, _ in delta.values()),
+        queried_tokens=sum(q for _, q in delta.values()),
+        placements=placements,
+        per_worker=per_worker,
+    )
+
+
+def summarize(runs: list[RunRecord], turns: int) -> dict[str, Any]:
+    """One policy's numbers over its runs: TTFTs pooled, token counters summed, wall times added."""
+    results = [r for run in runs for r in run.results]
+    ttfts = [r.ttft_s for r in results]
+    wall = sum(run.wall_s for run in runs)
+    hit = sum(run.hit_tokens for run in runs)
+    queried = sum(run.queried_tokens for run in runs)
+    oracle_hit = sum(run.oracle.hit_tokens for run in runs)
+    oracle_prompt = sum(run.oracle.prompt_tokens for run in runs)
+    hit_rate = hit / queried if queried else 0.0
+    oracle_rate = oracle_hit / oracle_prompt if oracle_prompt else 0.0
     prompt_total = sum(r.prompt_tokens for r in results)
+    placements: dict[str, int] = {}
+    for run in runs:
+        for k, v in run.placements.items():
+            placements[k] = placements.get(k, 0) + int(v)
     return {
+        "runs": len(runs),
         "requests": len(results),
-        "workers": len(workers),
         "wall_s": round(wall, 2),
         "ttft_p50_ms": round(pct(ttfts, 50) * 1e3, 1),
         "ttft_p90_ms": round(pct(ttfts, 90) * 1e3, 1),
-        "ttft_p50_ms_by_turn": by_turn,
+        "ttft_p50_ms_by_turn": {
+            t: round(statistics.median(r.ttft_s for r in results if r.turn == t) * 1e3, 1)
+            for t in range(turns)
+        },
+        "ttft_p50_ms_per_run": [
+            round(pct([r.ttft_s for r in run.results], 50) * 1e3, 1) for run in runs
+        ],
         "e2e_mean_ms": round(statistics.fmean(r.e2e_s for r in results) * 1e3, 1),
         "throughput_rps": round(len(results) / wall, 3),
         "output_tok_s": round(sum(r.completion_tokens for r in results) / wall, 1),
@@ -379,39 +415,50 @@ def measure(
         "hit_tokens": int(hit),
         "queried_tokens": int(queried),
         "usage_hit_rate": round(sum(r.cached_tokens for r in results) / prompt_total, 4),
-        "oracle_hit_rate": round(oracle.hit_rate, 4),
-        "oracle_hit_tokens": oracle.hit_tokens,
-        "hit_vs_oracle": round(hit_rate / oracle.hit_rate, 4) if oracle.hit_rate else None,
-        "oracle_prompt_token_mismatches": oracle.prompt_token_mismatches,
-        "reply_roundtrip_failures": oracle.reply_roundtrip_failures,
-        "placements": {k: int(v) for k, v in sorted(placements.items()) if v},
-        "turn_fields": [
-            "session",
-            "turn",
-            "start_ms",
-            "ttft_ms",
-            "prompt_tokens",
-            "cached_tokens",
-            "oracle_cached_tokens",
-        ],
-        "turns": turns,
+        "oracle_hit_rate": round(oracle_rate, 4),
+        "oracle_hit_tokens": oracle_hit,
+        "hit_vs_oracle": round(hit_rate / oracle_rate, 4) if oracle_rate else None,
+        "oracle_prompt_token_mismatches": sum(run.oracle.prompt_token_mismatches for run in runs),
+        "reply_roundtrip_failures": sum(run.oracle.reply_roundtrip_failures for run in runs),
+        "placements": dict(sorted(placements.items())),
+        "per_worker_per_run": [run.per_worker for run in runs],
     }
 
 
+def turn_log(run: RunRecord) -> list[list[Any]]:
+    """Per request, in start order: TURN_FIELDS."""
+    t_first = min(r.start_s for r in run.results)
+    rows = [
+        [r.session, r.turn, round((r.start_s - t_first) * 1e3), round(r.ttft_s * 1e3, 1),
+         r.prompt_tokens, r.cached_tokens, o]
+        for r, o in zip(run.results, run.oracle.per_turn_hits, strict=True)
+    ]  # fmt: skip
+    return sorted(rows, key=lambda row: row[2])
+
+
+TURN_FIELDS = ("session", "turn", "start_ms", "ttft_ms", "prompt_tokens", "cached_tokens",
+               "oracle_cached_tokens")  # fmt: skip
+
+
 # -- deployment -----------------------------------------------------------------------------------
-def write_chat_llama(out: Path, seed: int = 0) -> Path:
-    """A random-weight Llama (hidden 256, 4 layers, GQA, vocab 4096, 2048 context) with the demo
-    tokenizer. The output head is zero outside printable ASCII: those logits are 0 while the max
-    over 95 random printable rows is positive, so greedy picks printable ASCII."""
+def write_chat_llama(out: Path, hidden: int = 256, layers: int = 4, seed: int = 0) -> Path:
+    """A random-weight Llama (GQA with 2 KV heads of dim 64 when hidden >= 256, vocab 4096, 2048
+    context) with the demo tokenizer. The output head is zero outside printable ASCII: those logits
+    are 0 while the max over 95 random printable rows is positive, so greedy picks printable
+    ASCII."""
     import torch
     import transformers
 
     from tandem.engine.demo.tokenizer_build import build_tokenizer
 
+    if hidden % 64 or layers < 1:
+        raise ValueError(f"hidden must be a multiple of 64 and layers >= 1, got {hidden}, {layers}")
     torch.manual_seed(seed)
+    heads = hidden // 32 if hidden <= 256 else hidden // 64
     cfg = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 43 // 16,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+        max_position_embeddings=2048,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -511,6 +558,8 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["ttft_p50_speedup_rr_over_pa"] = round(speedup, 3)
         out["ttft_p90_speedup_rr_over_pa"] = round(rr["ttft_p90_ms"] / pa["ttft_p90_ms"], 3)
         out["ttft_target_met"] = speedup >= TARGET_TTFT_SPEEDUP
+        out["e2e_mean_speedup_rr_over_pa"] = round(rr["e2e_mean_ms"] / pa["e2e_mean_ms"], 3)
+        out["throughput_ratio_pa_over_rr"] = round(pa["throughput_rps"] / rr["throughput_rps"], 3)
     return out
 
 
@@ -522,6 +571,8 @@ def main() -> int:
     p.add_argument("--model-dir", default=None,
                    help="model directory (default: write a random chat Llama to a temp dir); "
                         "with --router-url, the tokenizer for the oracle")  # fmt: skip
+    p.add_argument("--hidden", type=int, default=384, help="random model: hidden size")
+    p.add_argument("--layers", type=int, default=6, help="random model: layers")
     p.add_argument("--prefill", type=int, default=0, help="0 = colocated workers")
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--kv-transport", default="tcp")
@@ -537,9 +588,15 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=24)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--user-chars", type=int, default=300, help="mean user message length")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8, help="turns in flight at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="deployments per policy, alternating the policy order; TTFTs pooled",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not args.launch and not args.router_url:
@@ -547,27 +604,37 @@ def main() -> int:
     if args.router_url and not args.model_dir:
         p.error("--router-url needs --model-dir (the tokenizer for the oracle)")
     if args.model_dir is None:
-        args.model_dir = str(write_chat_llama(Path(tempfile.mkdtemp(prefix="tandem-chat-llama-"))))
+        out = Path(tempfile.mkdtemp(prefix="tandem-chat-llama-"))
+        args.model_dir = str(write_chat_llama(out, args.hidden, args.layers))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     cfg = WorkloadConfig(args.sessions, args.turns, args.user_chars, args.max_tokens,
                          args.concurrency, args.seed)  # fmt: skip
     env_note = machine()
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[RunRecord]] = collections.defaultdict(list)
     if args.launch:
-        for policy in args.policies.split(","):
-            print(f"== {policy}: starting tandem up", file=sys.stderr, flush=True)
-            up = launch_up(args, policy)
-            try:
-                results[policy] = measure(f"http://127.0.0.1:{args.port}", cfg, tokenizer,
-                                          args.api_key)  # fmt: skip
-            finally:
-                up.stop()
-            print(f"== {policy}: {json.dumps(results[policy])}", file=sys.stderr, flush=True)
+        policies = args.policies.split(",")
+        for rep in range(args.repeats):
+            # Alternate the order so slow drift of a shared machine hits every policy alike.
+            for policy in policies if rep % 2 == 0 else policies[::-1]:
+                print(f"== {policy} (run {rep + 1}/{args.repeats}): starting tandem up",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                up = launch_up(args, policy)
+                try:
+                    run = measure(f"http://127.0.0.1:{args.port}", cfg, tokenizer, args.api_key)
+                finally:
+                    up.stop()
+                runs[policy].append(run)
+                one = summarize([run], cfg.turns)
+                print(f"== {policy}: hit/oracle {one['hit_vs_oracle']}, TTFT p50 "
+                      f"{one['ttft_p50_ms']} ms", file=sys.stderr, flush=True)  # fmt: skip
     else:
-        results["as-deployed"] = measure(args.router_url.rstrip("/"), cfg, tokenizer, args.api_key)
-    report = {
+        runs["as-deployed"].append(
+            measure(args.router_url.rstrip("/"), cfg, tokenizer, args.api_key)
+        )
+    results = {policy: summarize(rs, cfg.turns) for policy, rs in runs.items()}
+    report: dict[str, Any] = {
         "machine": env_note,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "workload": asdict(cfg),
@@ -575,6 +642,9 @@ def main() -> int:
             "prefill": args.prefill,
             "decode": args.decode,
             "threads": args.threads,
+            "engine_options": args.engine_option,
+            "hidden": args.hidden,
+            "layers": args.layers,
             "model_dir": args.model_dir,
         },  # fmt: skip
         "results": results,
@@ -583,6 +653,8 @@ def main() -> int:
     print(table(results))
     print(json.dumps(report, indent=2))
     if args.json:
+        report["turn_fields"] = TURN_FIELDS
+        report["turn_logs"] = {p: [turn_log(run) for run in rs] for p, rs in runs.items()}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

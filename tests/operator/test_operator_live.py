@@ -36,12 +36,14 @@ from procs import Proc, free_port, wait_for
 from prom_server import PrometheusServer, ScrapeTarget, prometheus_binary, prometheus_config
 from prometheus_client import CollectorRegistry
 
+from tandem import LLM, SamplingParams
 from tandem.engine.demo import expected_answer, held_out_inputs, make_user_message
 from tandem.kvtransfer.metrics import create_kv_transfer_metrics
 from tandem.kvtransfer.types import FailureReason
 from tandem.operator.autoscaler import Decision, Pool, PoolMemory, PoolState, Reason, decide
 from tandem.operator.children import Owner, Replicas, render_children
 from tandem.operator.opmetrics import SCALING_REASONS, OperatorMetrics
+from tandem.operator.promtext import Snapshot
 from tandem.operator.scaling import policies
 from tandem.operator.signals import PodInfo, PrometheusSource
 from tandem.operator.spec import TandemServiceSpec, parse_spec
@@ -219,9 +221,18 @@ def test_scaling_decision_series_start_at_zero() -> None:
 # --- rendered pod commands --------------------------------------------------------------------
 
 
+def remote_prefills(router: httpx.Client) -> float:
+    text = router.get("/metrics").text
+    return Snapshot.parse(text).total(
+        "tandem_router_placements_total",
+        lambda labels: labels.get("pool") == "prefill" and labels.get("reason") == "remote",
+    )
+
+
 def test_rendered_pod_commands_serve(tmp_path: Path) -> None:
     """Each rendered Deployment's container command, run as a local process, serves: the
-    workers register with the rendered router and it answers the demo task correctly."""
+    workers register with the rendered router, which answers the demo task correctly, and a
+    prompt past the local-prefill threshold is prefilled remotely with its KV moved over TCP."""
     spec, children = demo_children()
     deployments = [c for c in children if c["kind"] == "Deployment"]
     services = [c for c in children if c["kind"] == "Service"]
@@ -274,6 +285,29 @@ def test_rendered_pod_commands_serve(tmp_path: Path) -> None:
                 )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["message"]["content"] == expected_answer(s)
+            # The sample prefills prompts under 32 tokens on decode, which the demo questions
+            # are. A longer prompt goes through the prefill pod and the rendered KV transport;
+            # greedy output must equal the offline engine's, token for token.
+            prompt = f"<|bos|><|system|>{'the quick brown fox jumps over the lazy dog ' * 2}"
+            prompt += "<|user|>reverse: abc<|assistant|>"
+            remote_before = remote_prefills(client)
+            r = client.post(
+                "/v1/completions",
+                json={"model": "demo", "prompt": prompt, "temperature": 0, "max_tokens": 12},
+            )
+            assert r.status_code == 200, r.text
+            assert remote_prefills(client) == remote_before + 1
+            (decode_pod,) = [p for p in pods if p.deployment == "demo-decode"]
+            decode_metrics = httpx.get(f"http://127.0.0.1:{decode_pod.port}/metrics").text
+            received = Snapshot.parse(decode_metrics).total(
+                "tandem_kv_transfer_bytes_total",
+                lambda labels: (
+                    labels.get("direction") == "recv" and labels.get("transport") == "tcp"
+                ),
+            )
+            assert received > 0
+        offline = LLM(model="demo").generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+        assert r.json()["choices"][0]["text"] == offline[0].text
     finally:
         for proc in reversed(running):
             proc.stop()

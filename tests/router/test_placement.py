@@ -30,6 +30,29 @@ def test_score_formula_exact() -> None:
     assert load_of(cand("b", inflight=6), w) == 1.5
 
 
+def test_long_prompt_counts_cached_blocks_in_units() -> None:
+    w = Weights(prefix_unit_blocks=16)
+    # Up to 16 blocks the prefix term is the cached fraction; beyond, cached blocks / 16.
+    assert score_of(cand("a", overlap=5, blocks=10), w) == 0.5
+    assert score_of(cand("a", overlap=40, blocks=100, running=2), w) == 40 / 16 - 0.5
+    with pytest.raises(ValueError, match="prefix_unit_blocks"):
+        Weights(prefix_unit_blocks=0)
+
+
+@pytest.mark.parametrize(
+    ("cands", "expected", "reason"),
+    [
+        # A long cached history outweighs a few more queued requests...
+        ([cand("a", overlap=64, blocks=100, running=6), cand("b")], "a", "prefix_hit"),
+        # ...but not an unbounded pile-up.
+        ([cand("a", overlap=100, blocks=100, running=30), cand("b")], "b", "load"),
+    ],
+)
+def test_long_prompt_choice(cands: list[Candidate], expected: str, reason: str) -> None:
+    choice = Placer(Policy.PREFIX_AWARE).choose("decode", cands)
+    assert (choice.engine_id, choice.reason) == (expected, reason)
+
+
 @pytest.mark.parametrize(
     ("cands", "expected", "reason"),
     [
