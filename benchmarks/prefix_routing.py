@@ -3,9 +3,17 @@
 Workload: ``--sessions`` chat sessions of ``--turns`` turns. Turn t sends, through
 ``/v1/chat/completions`` (the model's chat template), the whole history of turns < t (user messages
 and the assistant's actual replies) plus a new user message of about ``--user-chars`` characters.
-A seeded schedule interleaves the sessions; at most ``--concurrency`` turns are in flight, and a
-session's next turn starts only after its previous one finished, as a chat client would. Replies
-have a fixed length: ``max_tokens`` with ``ignore_eos``, greedy.
+A session's next turn starts only after its previous one finished, as a chat client would, and at
+most ``--concurrency`` turns are in flight. Replies have a fixed length: ``max_tokens`` with
+``ignore_eos``, greedy. Two seeded schedules:
+
+- open loop (default): sessions arrive at ``--session-rate`` per second (Poisson) and think
+  ``--think-s`` seconds (exponential) between turns. Every policy faces the same offered load, so
+  TTFT compares like with like. Pick a rate below round-robin's capacity on the machine (about
+  60-80% of its closed-loop req/s divided by ``--turns``); the default 0.45 suits 2 busy CPU cores.
+- closed loop (``--session-rate 0``): a shuffled order of all turns, the earliest turn whose
+  session is idle goes next. The saved prefill shows as throughput and end-to-end latency: the
+  next turns take the freed capacity at once, so TTFT stays near saturation for every policy.
 
 Model: by default a random-weight Llama written to a temp dir (``--hidden`` 384, ``--layers`` 6,
 GQA, vocab 4096, 2048 context) with the demo's byte-level tokenizer and chat template (one token
@@ -72,20 +80,27 @@ class WorkloadConfig:
     max_tokens: int
     concurrency: int
     seed: int
+    session_rate: float = 0.0  # new sessions per second (Poisson); 0 = closed loop
+    think_s: float = 0.0  # mean think time between a session's turns (open loop)
 
 
 @dataclass(slots=True, frozen=True)
 class Workload:
     """``messages[s][t]`` is session s's user message at turn t. ``schedule`` lists session ids,
-    each ``turns`` times: its k-th occurrence is that session's turn k."""
+    each ``turns`` times: its k-th occurrence is that session's turn k (closed loop). Open loop:
+    session s starts at ``arrivals[s]`` seconds and waits ``think[s][t]`` before turn t."""
 
     messages: tuple[tuple[str, ...], ...]
     schedule: tuple[int, ...]
+    arrivals: tuple[float, ...]
+    think: tuple[tuple[float, ...], ...]
 
 
 def make_workload(cfg: WorkloadConfig) -> Workload:
     if cfg.sessions < 1 or cfg.turns < 1 or cfg.user_chars < 8:
         raise ValueError("need sessions >= 1, turns >= 1 and user_chars >= 8")
+    if cfg.session_rate < 0 or cfg.think_s < 0:
+        raise ValueError("session_rate and think_s must be >= 0")
     rng = random.Random(cfg.seed)
     letters = string.ascii_lowercase
 
@@ -99,7 +114,18 @@ def make_workload(cfg: WorkloadConfig) -> Workload:
     messages = tuple(tuple(message() for _ in range(cfg.turns)) for _ in range(cfg.sessions))
     schedule = [s for s in range(cfg.sessions) for _ in range(cfg.turns)]
     rng.shuffle(schedule)
-    return Workload(messages, tuple(schedule))
+    # Its own stream: the messages stay the same whatever the arrival settings.
+    timing = random.Random(cfg.seed + 1)
+    arrivals, clock = [], 0.0
+    for _ in range(cfg.sessions):
+        arrivals.append(clock)
+        clock += timing.expovariate(cfg.session_rate) if cfg.session_rate > 0 else 0.0
+    think = tuple(
+        tuple(0.0 if t == 0 or cfg.think_s == 0 else timing.expovariate(1 / cfg.think_s)
+              for t in range(cfg.turns))
+        for _ in range(cfg.sessions)
+    )  # fmt: skip
+    return Workload(messages, tuple(schedule), tuple(arrivals), think)
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,8 +185,10 @@ async def chat_turn(
 async def run_sessions(
     url: str, model: str, wl: Workload, cfg: WorkloadConfig, headers: dict[str, str]
 ) -> list[TurnResult]:
-    """Dispatch the schedule: the earliest pending turn whose session is idle, up to
-    ``concurrency`` in flight."""
+    """Closed loop (``session_rate`` 0): dispatch the schedule, the earliest pending turn whose
+    session is idle, up to ``concurrency`` in flight. Open loop: each session starts at its arrival
+    time and sends each turn a think time after the previous one finished, up to ``concurrency``
+    in flight."""
     history: list[list[tuple[str, str]]] = [[] for _ in wl.messages]
     next_turn = [0] * len(wl.messages)
     busy: set[int] = set()
@@ -193,22 +221,38 @@ async def run_sessions(
 
     limits = httpx.Limits(max_connections=cfg.concurrency + 4)
     async with httpx.AsyncClient(timeout=900, headers=headers, limits=limits) as client:
-        tasks: list[asyncio.Task[None]] = []
-        while pending and not errors:
-            async with done:
-                await done.wait_for(
-                    lambda: (
-                        bool(errors)
-                        or (len(busy) < cfg.concurrency and any(s not in busy for s in pending))
+        if cfg.session_rate > 0:
+            slots = asyncio.Semaphore(cfg.concurrency)
+            t0 = time.perf_counter()
+
+            async def session(s: int) -> None:
+                # Pacing, not synchronization: the workload's own arrival and think times.
+                await asyncio.sleep(max(0.0, t0 + wl.arrivals[s] - time.perf_counter()))
+                for t in range(len(wl.messages[s])):
+                    await asyncio.sleep(wl.think[s][t])
+                    if errors:
+                        return
+                    async with slots:
+                        await one(client, s)
+
+            await asyncio.gather(*(session(s) for s in range(len(wl.messages))))
+        else:
+            tasks: list[asyncio.Task[None]] = []
+            while pending and not errors:
+                async with done:
+                    await done.wait_for(
+                        lambda: (
+                            bool(errors)
+                            or (len(busy) < cfg.concurrency and any(s not in busy for s in pending))
+                        )
                     )
-                )
-                if errors:
-                    break
-                s = next(s for s in pending if s not in busy)
-                pending.remove(s)
-                busy.add(s)
-            tasks.append(asyncio.create_task(one(client, s)))
-        await asyncio.gather(*tasks)
+                    if errors:
+                        break
+                    s = next(s for s in pending if s not in busy)
+                    pending.remove(s)
+                    busy.add(s)
+                tasks.append(asyncio.create_task(one(client, s)))
+            await asyncio.gather(*tasks)
     if errors:
         raise errors[0]
     return sorted(results, key=lambda r: (r.session, r.turn))
@@ -466,7 +510,9 @@ def write_chat_llama(out: Path, hidden: int = 256, layers: int = 4, seed: int = 
         keep[FIRST_PRINTABLE : LAST_PRINTABLE + 1] = True
         model.lm_head.weight[~keep] = 0.0
     model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = cfg.max_position_embeddings  # the demo's 256 does not apply
+    tokenizer.save_pretrained(out)
     return out
 
 
@@ -585,11 +631,23 @@ def main() -> int:
     )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--user-chars", type=int, default=300, help="mean user message length")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=8, help="turns in flight at most")
+    p.add_argument("--concurrency", type=int, default=16, help="turns in flight at most")
+    p.add_argument(
+        "--session-rate",
+        type=float,
+        default=0.45,
+        help="open loop: new sessions per second, Poisson (0 = closed loop)",
+    )
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=1.0,
+        help="open loop: mean think time between a session's turns",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats",
@@ -610,7 +668,7 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     cfg = WorkloadConfig(args.sessions, args.turns, args.user_chars, args.max_tokens,
-                         args.concurrency, args.seed)  # fmt: skip
+                         args.concurrency, args.seed, args.session_rate, args.think_s)  # fmt: skip
     env_note = machine()
     runs: dict[str, list[RunRecord]] = collections.defaultdict(list)
     if args.launch:

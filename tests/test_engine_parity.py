@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from checkpoints import write_random_checkpoint
 
 from tandem import LLM, SamplingParams
 
@@ -138,8 +139,6 @@ def test_demo_model_matches_hf() -> None:
     ids=["mistral", "qwen3-qk-norm", "llama-rope-linear", "llama-rope-llama3-sharded"],
 )
 def test_other_families_and_rope_scaling_match_hf(arch: str, kwargs: dict, tmp_path: Path) -> None:
-    from conftest import write_random_checkpoint
-
     path = write_random_checkpoint(tmp_path, arch, **kwargs)
     if "max_shard_size" in kwargs:
         assert (path / "model.safetensors.index.json").is_file()
