@@ -4,7 +4,7 @@ The app starts a subscription when a worker registers and stops it when the work
 ``KvEventSubscriber`` owns the ZMQ context and every socket. Each task first loads a snapshot
 (``/v1/internal/kv_blocks``, whose ``seq`` is the number of the next message the worker will
 publish), then applies events in sequence order; a gap, a foreign engine id or a
-malformed message triggers another snapshot. Messages are msgpack (never pickle) and size-limited.
+malformed message triggers another snapshot. Messages are msgpack data only, size-limited.
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
-"""Rotary position embedding tables, computed exactly as Hugging Face transformers does."""
+"""Rotary position embedding: the cos/sin table (one definition, in tandem.kernels.rope_cache:
+pure PyTorch, identical to transformers for default/linear/llama3 scaling) and the PyTorch
+rotation the CPU path uses."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 
+from tandem.kernels.rope_cache import compute_cos_sin_cache as cos_sin_cache
 
-def rope_inv_freq(rot_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies (float32) for rope types default, linear and llama3."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    assert rope_scaling is not None
-    if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(rope_scaling["factor"])
-        low = float(rope_scaling["low_freq_factor"])
-        high = float(rope_scaling["high_freq_factor"])
-        old_len = float(rope_scaling["original_max_position_embeddings"])
-        low_wavelen = old_len / low
-        high_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
-    )
-
-
-def cos_sin_cache(
-    rot_dim: int,
-    base: float,
-    max_position: int,
-    rope_scaling: dict[str, Any] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """[max_position, rot_dim]: the first rot_dim/2 columns are cos, the last rot_dim/2 sin."""
-    inv_freq = rope_inv_freq(rot_dim, base, rope_scaling)
-    t = torch.arange(max_position, dtype=torch.int64).float()
-    freqs = t[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+__all__ = ["apply_rotary_ref", "cos_sin_cache"]
 
 
 def apply_rotary_ref(
