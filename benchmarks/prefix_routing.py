@@ -9,8 +9,10 @@ most ``--concurrency`` turns are in flight. Replies have a fixed length: ``max_t
 
 - open loop (default): sessions arrive at ``--session-rate`` per second (Poisson) and think
   ``--think-s`` seconds (exponential) between turns. Every policy faces the same offered load, so
-  TTFT compares like with like. Pick a rate below round-robin's capacity on the machine (about
-  60-80% of its closed-loop req/s divided by ``--turns``); the default 0.45 suits 2 busy CPU cores.
+  TTFT compares like with like. The TTFT gap depends on the load: light load leaves round-robin's
+  median request a cheap one (its lucky hits and first turns), overload queues everything. The
+  default 0.7 sits near round-robin's capacity on 2 busy CPU cores (its closed-loop req/s divided
+  by ``--turns``); scale it with the machine.
 - closed loop (``--session-rate 0``): a shuffled order of all turns, the earliest turn whose
   session is idle goes next. The saved prefill shows as throughput and end-to-end latency: the
   next turns take the freed capacity at once, so TTFT stays near saturation for every policy.
@@ -639,7 +641,7 @@ def main() -> int:
     p.add_argument(
         "--session-rate",
         type=float,
-        default=0.45,
+        default=0.7,
         help="open loop: new sessions per second, Poisson (0 = closed loop)",
     )
     p.add_argument(

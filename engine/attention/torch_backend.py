@@ -84,20 +84,35 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """One query per sequence: gather every sequence's blocks once, pad, mask, one SDPA."""
+        """One query per sequence. Sequences are grouped by length so each group is gathered and
+        padded only to its own longest member (mixed lengths would otherwise pad every row to the
+        batch's longest), and each group is one batched matmul-softmax-matmul: with a single
+        query row that is cheaper on CPU than the tiled flash kernel."""
+        out = torch.empty_like(q)
         bs = k_cache.shape[1]
-        nblocks = -(-meta.max_seq_len // bs)
-        table = meta.block_tables[:, :nblocks]
-        b = q.shape[0]
-        keys = k_cache[table].reshape(b, nblocks * bs, *k_cache.shape[2:]).transpose(1, 2)
-        vals = v_cache[table].reshape(b, nblocks * bs, *v_cache.shape[2:]).transpose(1, 2)
-        mask = torch.arange(nblocks * bs, device=q.device)[None, :] < meta.seq_lens[:, None]
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :],
-            keys,
-            vals,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return o[:, :, 0, :]
+        lens = meta.seq_lens_cpu
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        hkv = k_cache.shape[2]
+        b_all, hq, d = q.shape
+        group = hq // hkv
+        for start in range(0, len(order), _DECODE_GROUP):
+            rows = order[start : start + _DECODE_GROUP]
+            idx = torch.tensor(rows, device=q.device)
+            nblocks = -(-lens[rows[-1]] // bs)
+            table = meta.block_tables[idx, :nblocks]
+            n = len(rows)
+            # [n, S, Hkv, D] -> [n, Hkv, S, D]
+            keys = k_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
+            vals = v_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
+            qg = q[idx].reshape(n, hkv, group, d)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n, Hkv, G, S]
+            valid = torch.arange(nblocks * bs, device=q.device)[None, :] < meta.seq_lens[idx, None]
+            scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out[idx] = torch.matmul(probs, vals).reshape(n, hq, d)
+        return out
+
+
+# Decode rows per gathered group: small enough that lengths within a group are close, large
+# enough that each matmul still batches well.
+_DECODE_GROUP = 32
