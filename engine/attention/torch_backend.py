@@ -101,7 +101,7 @@ class TorchAttentionBackend:
             nblocks = -(-lens[rows[-1]] // bs)
             table = meta.block_tables[idx, :nblocks]
             n = len(rows)
-            # [n, S, Hkv, D] -> [n, Hkv, S, D]
+            # [n, S, Hkv, D] viewed as [n, Hkv, S, D]
             keys = k_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
             vals = v_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
             qg = q[idx].reshape(n, hkv, group, d)
