@@ -99,20 +99,24 @@ class TorchAttentionBackend:
             rows = order[start : start + _DECODE_GROUP]
             idx = torch.tensor(rows, device=q.device)
             nblocks = -(-lens[rows[-1]] // bs)
+            n, span = len(rows), nblocks * bs
             table = meta.block_tables[idx, :nblocks]
-            n = len(rows)
-            # [n, S, Hkv, D] viewed as [n, Hkv, S, D]
-            keys = k_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
-            vals = v_cache[table].reshape(n, nblocks * bs, hkv, d).transpose(1, 2)
+            keys = k_cache[table].reshape(n, span, hkv, d)
+            vals = v_cache[table].reshape(n, span, hkv, d)
             qg = q[idx].reshape(n, hkv, group, d)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n, Hkv, G, S]
-            valid = torch.arange(nblocks * bs, device=q.device)[None, :] < meta.seq_lens[idx, None]
-            scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            out[idx] = torch.matmul(probs, vals).reshape(n, hq, d)
+            masked = torch.arange(span, device=q.device)[None, :] >= meta.seq_lens[idx, None]
+            og = torch.empty_like(qg)
+            # One batched matmul per KV head reads the gathered keys in place (strided rows), so
+            # nothing is transposed into a second copy.
+            for h in range(hkv):
+                scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(scale)
+                scores.masked_fill_(masked[:, None, :], float("-inf"))
+                probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+                og[:, h] = torch.bmm(probs, vals[:, :, h])
+            out[idx] = og.reshape(n, hq, d)
         return out
 
 
 # Decode rows per gathered group: small enough that lengths within a group are close, large
 # enough that each matmul still batches well.
-_DECODE_GROUP = 32
+_DECODE_GROUP = 16
