@@ -63,17 +63,18 @@ class TorchAttentionBackend:
         q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, context: int, scale: float
     ) -> torch.Tensor:
         """Causal attention of q [Lq, Hq, D] at positions context.. over keys [S, Hk, D]."""
+        group = q.shape[1] // keys.shape[1]
+        if group > 1:
+            # SDPA's GQA mode takes the slow math path on CPU; repeating K/V keeps the flash one.
+            keys = keys.repeat_interleave(group, dim=1)
+            vals = vals.repeat_interleave(group, dim=1)
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
         if context == 0:
-            o = F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         else:
             q_pos = torch.arange(context, context + q.shape[0], device=q.device)
             mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
         return o.transpose(0, 1)
 
     @staticmethod
