@@ -265,7 +265,9 @@ class Engine:
         outputs = self._poll_connector() if self.connector is not None else []
         sched = self.scheduler.schedule()
         for load in sched.loads:
-            self._start_load(load)
+            failed = self._start_load(load)
+            if failed is not None:
+                outputs.append(failed)
         if sched.is_empty:
             return outputs
         result = self.runner.execute(sched)
@@ -291,7 +293,8 @@ class Engine:
                 outputs.append(self._final(ended))
         return outputs
 
-    def _start_load(self, load: Any) -> None:
+    def _start_load(self, load: Any) -> EngineOutput | None:
+        """Hand a pull to the connector; returns the request's final output if it ended here."""
         req = load.request
         try:
             self.connector.start_load(
@@ -299,7 +302,10 @@ class Engine:
             )
         except ValueError as exc:
             # Nothing was started, so nothing writes the blocks: treat as a failed pull now.
-            self.scheduler.finish_load(req.request_id, False, f"invalid transfer: {exc}")
+            ended = self.scheduler.finish_load(req.request_id, False, f"invalid transfer: {exc}")
+            if ended is not None and ended.request_id in self._requests:
+                return self._final(ended)
+        return None
 
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
         token = req.output_token_ids[-1]
