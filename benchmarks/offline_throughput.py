@@ -97,7 +97,7 @@ def step_overhead(model: str, num_seqs: int, steps: int = 30) -> dict[str, float
     return {"sched_prep_ms": sp * 1e3, "step_ms": st * 1e3, "fraction": sp / st}
 
 
-def write_random_llama() -> str:
+def write_random_llama(hidden: int = 256, layers: int = 4) -> str:
     import tempfile
 
     import transformers
@@ -108,9 +108,9 @@ def write_random_llama() -> str:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        intermediate_size=hidden * 43 // 16,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=2048,
@@ -125,10 +125,13 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="random-llama",
-        help="a local HF directory, 'demo', or 'random-llama' (a random-weight Llama with GQA, "
-        "hidden 256, 4 layers, vocab 4096, 2k context, written to a temp dir)",
+        help="a local HF directory, 'demo', or 'random-llama' (a random-weight Llama, 8 query / "
+        "2 KV heads, vocab 4096, 2k context, sized by --hidden-size and --num-layers, written "
+        "to a temp dir)",
     )
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--hidden-size", type=int, default=256, help="random-llama only")
+    ap.add_argument("--num-layers", type=int, default=4, help="random-llama only")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--overhead-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -137,7 +140,7 @@ def main() -> None:
     from tandem.engine.models.loader import read_hf_config, resolve_model_path
 
     if args.model == "random-llama":
-        args.model = write_random_llama()
+        args.model = write_random_llama(args.hidden_size, args.num_layers)
     path = resolve_model_path(args.model)
     vocab = read_hf_config(path)["vocab_size"]
     reqs = workload(args.num_requests, vocab, args.seed)
