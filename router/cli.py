@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
         help="decode prefills locally when the uncached prompt is shorter (0: always remote)",
     )  # fmt: skip
+    p.add_argument(
+        "--prefill-overload-queue", type=int, default=0, metavar="REQUESTS",
+        help="decode prefills locally when every prefill worker has at least this many requests "
+        "queued or in flight (0: never)",
+    )  # fmt: skip
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="required bearer key (or TANDEM_API_KEY)")
     keys.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
@@ -54,6 +59,9 @@ def main(argv: list[str]) -> int:
     if args.local_prefill_threshold < 0:
         print("--local-prefill-threshold must be >= 0", file=sys.stderr)
         return 2
+    if args.prefill_overload_queue < 0:
+        print("--prefill-overload-queue must be >= 0", file=sys.stderr)
+        return 2
     try:
         keys = api_keys_from(args)
     except (OSError, ValueError) as exc:
@@ -79,6 +87,7 @@ def main(argv: list[str]) -> int:
         model_path=model_path,
         policy=Policy.parse(args.policy),
         local_prefill_threshold=args.local_prefill_threshold,
+        prefill_overload_queue=args.prefill_overload_queue,
         api_keys=keys,
         heartbeat_timeout_s=args.heartbeat_timeout,
     )

@@ -48,6 +48,7 @@ FINAL_REASONS = ("stop", "length")
 @dataclass(slots=True, frozen=True)
 class FlowConfig:
     local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0  # 0: never treat the prefill pool as overloaded
     prefill_retries: int = 1  # other P workers tried after the first failure
     decode_retries: int = 1  # other D workers tried when D fails before any output
     poll_s: float = 0.25  # how often a silent stream re-checks that its worker is registered
@@ -199,12 +200,15 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
         d, d_choice = picked
         tried_d.add(d.info.engine_id)
         ctx.record(d.info.role.label, d_choice.reason)
+        prefill_pool = ctx.registry.by_role(Role.PREFILL)
         decision = decide_prefill(
             prompt_tokens=len(job.prompt_token_ids),
             decode_cached_tokens=d_choice.overlap_blocks * d.info.block_size,
             threshold_tokens=ctx.config.local_prefill_threshold,
             decode_is_colocated=d.info.role is Role.COLOCATED,
-            prefill_available=bool(ctx.registry.by_role(Role.PREFILL)),
+            prefill_available=bool(prefill_pool),
+            prefill_min_queue=min((w.waiting + w.inflight for w in prefill_pool), default=0),
+            overload_queue=ctx.config.prefill_overload_queue,
         )
         kv_params: dict[str, Any] | None = None
         if decision.mode is PrefillMode.REMOTE:

@@ -34,6 +34,7 @@ class RouterConfig:
     model_path: str | None = None  # tokenizer directory; None resolves ``model``
     policy: Policy = Policy.PREFIX_AWARE
     local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0
     api_keys: tuple[str, ...] = ()
     heartbeat_timeout_s: float = 3.0
     expiry_interval_s: float = 0.5
@@ -69,6 +70,7 @@ class RouterState:
             metrics=metrics,
             config=FlowConfig(
                 local_prefill_threshold=config.local_prefill_threshold,
+                prefill_overload_queue=config.prefill_overload_queue,
                 poll_s=config.poll_s,
                 read_timeout_s=config.timeouts.read_s,
             ),

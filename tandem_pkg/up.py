@@ -42,6 +42,7 @@ class UpConfig:
     kv_transport: str = "ucx"
     api_key: str | None = None
     local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0
     policy: str = "prefix-aware"
     engine_options: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
@@ -74,6 +75,7 @@ def build_specs(
     router_argv = base + (
         ROUTER, "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
         "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
+        "--prefill-overload-queue", str(cfg.prefill_overload_queue),
     )  # fmt: skip
     # The key travels in the environment, not argv, so `ps` does not show it.
     env = (("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ()
@@ -292,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transport", choices=("ucx", "tcp"), default="ucx")
     p.add_argument("--api-key", default=None)
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS")
+    p.add_argument("--prefill-overload-queue", type=int, default=0, metavar="REQUESTS",
+                   help="prefill on decode when every prefill worker has this many queued "
+                   "(0: never)")  # fmt: skip
     p.add_argument("--policy", choices=("prefix-aware", "least-load", "round-robin"),
                    default="prefix-aware")  # fmt: skip
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
@@ -305,14 +310,17 @@ def parse_config(argv: list[str]) -> UpConfig:
     a = build_parser().parse_args(argv)
     if a.prefill < 0 or a.decode < 1:
         raise SystemExit("tandem up: --prefill must be >= 0 and --decode >= 1")
-    if a.local_prefill_threshold < 0:
-        raise SystemExit("tandem up: --local-prefill-threshold must be >= 0")
+    if a.local_prefill_threshold < 0 or a.prefill_overload_queue < 0:
+        raise SystemExit(
+            "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
+        )
     if a.model != "demo" and not Path(a.model).is_dir():
         raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
     return UpConfig(
         model=a.model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         kv_transport=a.kv_transport, api_key=a.api_key,
-        local_prefill_threshold=a.local_prefill_threshold, policy=a.policy,
+        local_prefill_threshold=a.local_prefill_threshold,
+        prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
         log_dir=a.log_dir,
     )  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 from router_testlib import MODEL, wait_for
 
 from tandem.engine.hashing import hash_block_tokens
+from tandem.router.registry import Role
 
 LONG = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens, 22 blocks of 4
 
@@ -127,6 +128,20 @@ async def test_local_prefill_threshold(make_cluster: Any, oai: Any) -> None:
     assert calls(p) == 1 and d.generate_calls[1]["kv_transfer_params"] is not None
     assert c.metric("tandem_router_placements_total", {"pool": "prefill", "policy": "prefix-aware",
                     "reason": "local_below_threshold"}) == 1  # fmt: skip
+
+
+async def test_overloaded_prefill_pool_prefills_on_decode(make_cluster: Any, oai: Any) -> None:
+    c = await make_cluster(prefill_overload_queue=3)
+    p, d = c.workers
+    (p_state,) = c.app.state.router.registry.by_role(Role.PREFILL)
+    p_state.inflight = 3  # the router's own in-flight count: heartbeats do not overwrite it
+    await oai(c.url).completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+    assert calls(p) == 0 and d.generate_calls[0]["kv_transfer_params"] is None
+    p_state.inflight = 2
+    await oai(c.url).completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+    assert calls(p) == 1 and d.generate_calls[1]["kv_transfer_params"] is not None
+    assert c.metric("tandem_router_placements_total", {"pool": "prefill", "policy": "prefix-aware",
+                    "reason": "local_prefill_overloaded"}) == 1  # fmt: skip
 
 
 async def test_colocated_workers_prefill_locally(make_cluster: Any, oai: Any) -> None:

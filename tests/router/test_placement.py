@@ -119,3 +119,28 @@ def test_decide_prefill(prompt: int, cached: int, threshold: int, colocated: boo
                        threshold_tokens=threshold, decode_is_colocated=colocated,
                        prefill_available=p_avail)  # fmt: skip
     assert (d.mode, d.reason) == (mode, reason)
+
+
+@pytest.mark.parametrize(
+    ("min_queue", "limit", "mode", "reason"),
+    [
+        (0, 0, PrefillMode.REMOTE, "remote"),
+        (50, 0, PrefillMode.REMOTE, "remote"),  # 0 disables the overload rule
+        (3, 4, PrefillMode.REMOTE, "remote"),
+        (4, 4, PrefillMode.LOCAL, "local_prefill_overloaded"),
+        (9, 4, PrefillMode.LOCAL, "local_prefill_overloaded"),
+    ],
+)
+def test_decide_prefill_overloaded_pool(
+    min_queue: int, limit: int, mode: PrefillMode, reason: str
+) -> None:
+    d = decide_prefill(
+        prompt_tokens=100,
+        decode_cached_tokens=0,
+        threshold_tokens=0,
+        decode_is_colocated=False,
+        prefill_available=True,
+        prefill_min_queue=min_queue,
+        overload_queue=limit,
+    )
+    assert (d.mode, d.reason) == (mode, reason)

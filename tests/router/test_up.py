@@ -22,13 +22,15 @@ PY = "/py"
 
 def test_specs_disaggregated() -> None:
     cfg = UpConfig(model="/m", port=9000, prefill=1, decode=2, kv_transport="tcp",
-                   local_prefill_threshold=64, engine_options=("max_num_seqs=8",))  # fmt: skip
+                   local_prefill_threshold=64, prefill_overload_queue=6,
+                   engine_options=("max_num_seqs=8",))  # fmt: skip
     specs = build_specs(cfg, iter([7001, 7002, 7003]), python=PY)
     base = (PY, "-m", "tandem.cli")
     assert [s.name for s in specs] == ["router", "prefill-0", "decode-0", "decode-1"]
     assert specs[0].argv == base + (
         "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
         "--policy", "prefix-aware", "--local-prefill-threshold", "64",
+        "--prefill-overload-queue", "6",
     )  # fmt: skip
     assert specs[0].env == ()
     assert specs[1].argv == base + (
