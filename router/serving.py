@@ -48,7 +48,13 @@ async def handle_generation(s: RouterState, request: Request, kind: Kind) -> Res
                 code="model_not_found",
             )
         request_id = ("chatcmpl-" if kind is Kind.CHAT else "cmpl-") + uuid.uuid4().hex
-        jobs, prompt_tokens = _make_jobs(s, req, request_id)
+        if _prompt_chars(req) > _OFFLOAD_CHARS:
+            # Long prompts tokenize (and render the chat template) off the event loop, so one
+            # big request does not stall every stream the router is relaying.
+            encoded = await asyncio.to_thread(_encode_prompts, s, req)
+        else:
+            encoded = _encode_prompts(s, req)
+        jobs, prompt_tokens = _make_jobs(s, req, request_id, encoded)
         s.metrics.prompt_tokens.inc(prompt_tokens)
         builder = ResponseBuilder(
             kind,
@@ -90,20 +96,40 @@ def _engine_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | No
     return req.logprobs
 
 
+_OFFLOAD_CHARS = 8192
+
+
+def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.text()) for m in req.messages)
+    return sum(len(p) for p in req.prompts() if isinstance(p, str))
+
+
+def _encode_prompts(
+    s: RouterState, req: ChatCompletionRequest | CompletionRequest
+) -> list[list[int]]:
+    """Tokenize each prompt once (chat template for chat requests). Touches only the tokenizer,
+    so it may run on a worker thread."""
+    if isinstance(req, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return [s.encoder.encode_chat(messages, req.add_generation_prompt,
+                                      req.chat_template_kwargs)]  # fmt: skip
+    return [s.encoder.encode_text(p) if isinstance(p, str) else p for p in req.prompts()]
+
+
 def _make_jobs(
-    s: RouterState, req: ChatCompletionRequest | CompletionRequest, request_id: str
+    s: RouterState,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    prompts: list[list[int]],
 ) -> tuple[list[ChoiceJob], int]:
-    """Tokenize each prompt once, check it against the context length, and fan out n choices."""
+    """Check each tokenized prompt against the context length and fan out n choices."""
     max_len = s.registry.max_model_len()
     if max_len is None or not s.registry.by_role(Role.DECODE, Role.COLOCATED):
         raise no_workers("decode")
     if isinstance(req, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompts = [s.encoder.encode_chat(messages, req.add_generation_prompt,
-                                         req.chat_template_kwargs)]  # fmt: skip
         requested, param = req.requested_max_tokens(), "messages"
     else:
-        prompts = [s.encoder.encode_text(p) if isinstance(p, str) else p for p in req.prompts()]
         requested, param = req.max_tokens, "prompt"
     vocab = s.encoder.vocab_size()
     jobs: list[ChoiceJob] = []

@@ -230,6 +230,11 @@ async def test_prompt_too_long_code_and_openai_exception(make_cluster: Any, oai:
             model=MODEL, messages=[{"role": "user", "content": "y" * 400}]
         )
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    # Past 8192 characters the prompt is tokenized on a worker thread: same answer.
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai(c.url).completions.create(model=MODEL, prompt="z" * 9000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert "in the prompt, " in str(e.value)
     with pytest.raises(openai.NotFoundError):
         await oai(c.url).chat.completions.create(model="other", messages=[
             {"role": "user", "content": "hi"}])  # fmt: skip
