@@ -162,6 +162,8 @@ def router_args(owner: Owner, spec: TandemServiceSpec) -> list[str]:
         "--local-prefill-threshold",
         str(spec.router.local_prefill_threshold),
     ]
+    if spec.router.prefill_overload_queue > 0:
+        args += ["--prefill-overload-queue", str(spec.router.prefill_overload_queue)]
     if spec.model.argument != spec.model.name:
         # The router loads the tokenizer from the model path and serves it under the name.
         args += ["--served-model-name", spec.model.name]

@@ -68,6 +68,7 @@ class RouterSpec:
     replicas: int = 1
     policy: str = "prefix-aware"
     local_prefill_threshold: int = 64
+    prefill_overload_queue: int = 0
     port: int = 8000
     service_type: str = "ClusterIP"
     api_key_secret: APIKeySecret | None = None
@@ -314,6 +315,7 @@ def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
         replicas=_int(router_raw, "replicas", 1, "spec.router"),
         policy=_str(router_raw, "policy", "prefix-aware", "spec.router", ROUTER_POLICIES),
         local_prefill_threshold=_int(router_raw, "localPrefillThreshold", 64, "spec.router"),
+        prefill_overload_queue=_int(router_raw, "prefillOverloadQueue", 0, "spec.router"),
         port=_int(router_raw, "port", 8000, "spec.router", minimum=1),
         service_type=_str(router_raw, "serviceType", "ClusterIP", "spec.router", SERVICE_TYPES),
         api_key_secret=secret,

@@ -473,3 +473,19 @@ def test_operator_imports_stay_light() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_prefill_overload_queue_reaches_the_router_command() -> None:
+    doc = next(d for n, d in SAMPLES if n.startswith("gpu-pvc.yaml:TandemService"))
+    spec = parse_spec(
+        {**doc["spec"], "router": {**doc["spec"]["router"], "prefillOverloadQueue": 6}}
+    )
+    named = by_name(render_children(OWNER, spec, Replicas(prefill=1, decode=1)))
+    args = named["Deployment/demo-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    i = args.index("--prefill-overload-queue")
+    assert args[i + 1] == "6"
+    assert "--prefill-overload-queue" not in json.dumps(
+        render_children(OWNER, gpu_spec(), Replicas(prefill=1, decode=1))
+    )
+    with pytest.raises(SpecError, match="prefillOverloadQueue must be >= 0"):
+        parse_spec({"router": {"prefillOverloadQueue": -1}})
