@@ -12,7 +12,7 @@ from tandem.engine.hashing import BlockHash
 class KVEventKind(IntEnum):
     STORED = 0
     REMOVED = 1
-    ALL_CLEARED = 2
+    CLEARED = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,7 +127,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
-        self._events.append(KVEvent(KVEventKind.ALL_CLEARED))
+        self._events.append(KVEvent(KVEventKind.CLEARED))
         return True
 
     def take_events(self) -> list[KVEvent]:

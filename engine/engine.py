@@ -324,19 +324,7 @@ class Engine:
         elif req.is_finished and req.status != RequestStatus.FINISHED_REMOTE_DECODE:
             # Remote decode: the decode worker's detokenizer continues from the same state.
             text += detok.finish()
-        out = EngineOutput(
-            request_id=req.request_id,
-            group_id=req.group_id,
-            index=req.group_index,
-            new_token_ids=[token],
-            text_delta=text,
-            finished=req.is_finished,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=[logprobs] if logprobs is not None else [],
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
+        out = _output(req, [token], text, [logprobs] if logprobs is not None else [])
         if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
             params = self.connector.publish(
                 req.request_id, list(req.block_ids), req.num_prompt_tokens, token
@@ -348,19 +336,7 @@ class Engine:
 
     def _final(self, req: Request) -> EngineOutput:
         self._forget(req)
-        return EngineOutput(
-            request_id=req.request_id,
-            group_id=req.group_id,
-            index=req.group_index,
-            new_token_ids=[],
-            text_delta="",
-            finished=True,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            error=req.error,
-        )
+        return _output(req, [], "", [])
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
@@ -386,3 +362,23 @@ class Engine:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.kv_spec.block_size)
+
+
+def _output(
+    req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprobs]
+) -> EngineOutput:
+    """A request's step output: its delta plus its state (finish reason, counts, error)."""
+    return EngineOutput(
+        request_id=req.request_id,
+        group_id=req.group_id,
+        index=req.group_index,
+        new_token_ids=tokens,
+        text_delta=text,
+        finished=req.is_finished,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        logprobs=logprobs,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        error=req.error,
+    )

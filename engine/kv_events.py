@@ -9,10 +9,11 @@ from tandem.engine.block_pool import KVEvent, KVEventKind
 
 EVENTS_TOPIC = b"kv"
 EVENTS_VERSION = 1
-_KIND_NAMES = {
+# Wire names of the event kinds; the router decodes with the inverse of this map.
+EVENT_NAMES = {
     KVEventKind.STORED: "stored",
     KVEventKind.REMOVED: "removed",
-    KVEventKind.ALL_CLEARED: "cleared",
+    KVEventKind.CLEARED: "cleared",
 }
 
 
@@ -20,8 +21,8 @@ def encode_events(engine_id: str, seq: int, events: list[KVEvent]) -> bytes:
     """The wire payload of docs/internal-api.md (pure; tested exactly)."""
     body = []
     for e in events:
-        name = _KIND_NAMES[e.kind]
-        body.append([name] if e.kind == KVEventKind.ALL_CLEARED else [name, list(e.block_hashes)])
+        name = EVENT_NAMES[e.kind]
+        body.append([name] if e.kind == KVEventKind.CLEARED else [name, list(e.block_hashes)])
     return msgpack.packb({"v": EVENTS_VERSION, "engine_id": engine_id, "seq": seq, "events": body})
 
 

@@ -18,21 +18,17 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from tandem.router.prefix_index import (
-    ApplyResult,
-    EventKind,
-    KvEvent,
-    KvEventBatch,
-    PrefixIndex,
-)
+from tandem.engine.block_pool import KVEvent, KVEventKind
+from tandem.engine.kv_events import EVENT_NAMES, EVENTS_TOPIC, EVENTS_VERSION
+from tandem.router.prefix_index import ApplyResult, KvEventBatch, PrefixIndex
 from tandem.router.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
-TOPIC = b"kv"
-PROTOCOL_VERSION = 1
+TOPIC = EVENTS_TOPIC
+PROTOCOL_VERSION = EVENTS_VERSION
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-_KINDS = {"stored": EventKind.STORED, "removed": EventKind.REMOVED, "cleared": EventKind.CLEARED}
+_KINDS = {name: kind for kind, name in EVENT_NAMES.items()}
 
 
 class MalformedEvent(ValueError):
@@ -61,17 +57,17 @@ def decode_batch(payload: bytes) -> KvEventBatch:
     return KvEventBatch(engine_id, seq, tuple(_decode_event(e) for e in raw_events))
 
 
-def _decode_event(raw: Any) -> KvEvent:
+def _decode_event(raw: Any) -> KVEvent:
     if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
         raise MalformedEvent(f"unknown event {raw!r:.80}")
     kind = _KINDS[raw[0]]
-    if kind is EventKind.CLEARED:
-        return KvEvent(kind)
+    if kind is KVEventKind.CLEARED:
+        return KVEvent(kind)
     if len(raw) != 2 or not isinstance(raw[1], list):
         raise MalformedEvent(f"{raw[0]} event needs a list of hashes")
     if not all(isinstance(h, bytes) for h in raw[1]):
         raise MalformedEvent(f"{raw[0]} hashes must be bytes")
-    return KvEvent(kind, tuple(raw[1]))
+    return KVEvent(kind, tuple(raw[1]))
 
 
 def encode_batch(engine_id: str, seq: int, events: list[list[Any]]) -> list[bytes]:

@@ -15,19 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from tandem.engine.block_pool import KVEvent, KVEventKind
 from tandem.engine.hashing import BlockHash
-
-
-class EventKind(IntEnum):
-    STORED = 1
-    REMOVED = 2
-    CLEARED = 3
-
-
-@dataclass(slots=True, frozen=True)
-class KvEvent:
-    kind: EventKind
-    hashes: tuple[BlockHash, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,7 +25,7 @@ class KvEventBatch:
 
     engine_id: str
     seq: int
-    events: tuple[KvEvent, ...]
+    events: tuple[KVEvent, ...]
 
 
 class ApplyResult(IntEnum):
@@ -87,14 +76,14 @@ class PrefixIndex:
         w.next_seq = batch.seq + 1
         w.expecting_since = None
         for event in batch.events:
-            if event.kind is EventKind.STORED:
-                for h in event.hashes:
+            if event.kind is KVEventKind.STORED:
+                for h in event.block_hashes:
                     w.hashes[h] = None
                     w.hashes.move_to_end(h)
                 while len(w.hashes) > w.capacity:
                     w.hashes.popitem(last=False)
-            elif event.kind is EventKind.REMOVED:
-                for h in event.hashes:
+            elif event.kind is KVEventKind.REMOVED:
+                for h in event.block_hashes:
                     w.hashes.pop(h, None)
             else:
                 w.hashes.clear()

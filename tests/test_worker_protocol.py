@@ -64,7 +64,7 @@ def test_kv_events_wire_format_is_exact() -> None:
         [
             KVEvent(KVEventKind.STORED, (h1, h2)),
             KVEvent(KVEventKind.REMOVED, (h1,)),
-            KVEvent(KVEventKind.ALL_CLEARED),
+            KVEvent(KVEventKind.CLEARED),
         ],
     )
     assert msgpack.unpackb(payload) == {

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from tandem.engine.block_pool import KVEvent as KvEvent
+from tandem.engine.block_pool import KVEventKind as EventKind
 from tandem.engine.hashing import hash_block_tokens
 from tandem.router.kv_events import MalformedEvent, decode_batch, encode_batch
 from tandem.router.prefix_index import (
     ApplyResult,
-    EventKind,
-    KvEvent,
     KvEventBatch,
     PrefixIndex,
 )
