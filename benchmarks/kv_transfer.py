@@ -55,7 +55,7 @@ class Row:
 
 
 def _layout(name: str, tokens_max: int):  # noqa: ANN202
-    from tandem.kvtransfer import KVLayout
+    from tandem.engine.kv_layout import KVLayout
 
     return KVLayout(num_blocks=tokens_max // 16 + 1, **LAYOUTS[name])
 
@@ -71,8 +71,8 @@ def serve_prefill(transport: str, layout_name: str, tokens_max: int) -> None:
     """Publishes requests on demand: stdin ``<n_blocks>`` -> stdout params JSON."""
     import torch
 
+    from tandem.engine.kv_layout import DTYPES
     from tandem.kvtransfer import create_connector
-    from tandem.kvtransfer.types import DTYPES
 
     layout = _layout(layout_name, tokens_max)
     kv = torch.randn(layout.shape).to(DTYPES[layout.dtype])
@@ -92,8 +92,8 @@ def serve_prefill(transport: str, layout_name: str, tokens_max: int) -> None:
 def run_decode(transport: str, layout_name: str, tokens: list[int], reps: int) -> None:
     import torch
 
+    from tandem.engine.kv_layout import DTYPES
     from tandem.kvtransfer import KVTransferParams, create_connector
-    from tandem.kvtransfer.types import DTYPES
 
     layout = _layout(layout_name, max(tokens))
     server = subprocess.Popen(

@@ -1,10 +1,22 @@
-"""`tandem decode` / `tandem colocated`: a worker that decodes (pulling KV from prefill workers,
-or prefilling locally), or one that does both phases with no disaggregation."""
+"""`tandem decode`: a worker that decodes, pulling KV from prefill workers (or prefilling
+locally when the router says so)."""
 
 from __future__ import annotations
 
+from tandem.decode.hooks import LoadFailurePolicy
+from tandem.decode.role import DecodeRole
+from tandem.engine.role import Role
+from tandem.engine.worker.cli import parser, serve
 
-def main(argv: list[str], role: str = "decode") -> int:
-    from tandem.engine.worker_cli import main as worker_main
 
-    return worker_main(role, argv)
+def main(argv: list[str]) -> int:
+    p = parser(Role.DECODE)
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=[m.name.lower() for m in LoadFailurePolicy],
+        default="recompute",
+        help="when a KV pull fails: prefill the prompt here (recompute) or fail the request",
+    )
+    args = p.parse_args(argv)
+    role = DecodeRole(args.kv_transport, args.kv_lease_seconds, args.kv_load_failure_policy)
+    return serve(args, role)

@@ -1,26 +1,19 @@
-"""Decode role: accepting a request whose prompt KV lives on a prefill worker.
-
-The request enters with the prefill's first token as output 0 and its transfer parameters; the
-scheduler allocates blocks only for what the local prefix cache lacks and the engine asks the KV
-connector to pull exactly those (``Scheduler._admit_remote``, ``Engine._start_load``).
-"""
+"""Decode role intake: a request whose prompt KV lives on a prefill worker (step 1 of the path
+in ``decode/hooks.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tandem.engine.engine import Engine
+from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.request import Request
-from tandem.engine.worker_protocol import BadRequest
+from tandem.engine.worker.protocol import BadRequest
 
 
 def attach_remote_kv(engine: Engine, reqs: list[Request], wire: dict[str, Any]) -> None:
     """Validate transfer params against the prompt and this engine; raises BadRequest and leaves
     the request untouched on any mismatch. Called on the engine thread before queueing."""
-    from tandem.kvtransfer.types import KVTransferParams
-
-    if engine.connector is None:
-        raise BadRequest("this worker does not receive KV (colocated)", "kv_transfer_params")
     try:
         params = KVTransferParams.from_dict(wire)
     except ValueError as exc:

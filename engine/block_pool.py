@@ -4,23 +4,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from enum import IntEnum
 
 from tandem.engine.hashing import BlockHash
-
-
-class KVEventKind(IntEnum):
-    STORED = 0
-    REMOVED = 1
-    CLEARED = 2
-
-
-@dataclass(slots=True, frozen=True)
-class KVEvent:
-    """A change to the set of cached block hashes, published to the router (internal-api.md)."""
-
-    kind: KVEventKind
-    block_hashes: tuple[BlockHash, ...] = ()
+from tandem.engine.kv_events import KVEvent, KVEventKind
 
 
 @dataclass(slots=True, eq=False)

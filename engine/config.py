@@ -3,46 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
-
-
-class Role(IntEnum):
-    COLOCATED = 0
-    PREFILL = 1
-    DECODE = 2
-
-    @classmethod
-    def parse(cls, value: str | Role) -> Role:
-        if isinstance(value, Role):
-            return value
-        try:
-            return cls[value.upper()]
-        except KeyError:
-            raise ValueError(
-                f"role must be one of colocated, prefill, decode; got {value!r}"
-            ) from None
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-class LoadFailurePolicy(IntEnum):
-    """What a decode worker does when pulling a request's KV fails."""
-
-    RECOMPUTE = 0  # prefill the prompt locally and carry on
-    FAIL = 1  # finish the request with an error
-
-    @classmethod
-    def parse(cls, value: str | LoadFailurePolicy) -> LoadFailurePolicy:
-        if isinstance(value, LoadFailurePolicy):
-            return value
-        try:
-            return cls[value.upper()]
-        except KeyError:
-            raise ValueError(
-                f"kv_load_failure_policy must be recompute or fail; got {value!r}"
-            ) from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,19 +10,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
-    role: Role = Role.COLOCATED
     # A waiting request gains one priority level per this many steps it waits: no starvation.
     aging_steps: int = 256
     # Off: a prompt is only admitted when it fits in one step's token budget.
     enable_chunked_prefill: bool = True
-    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
 
     def __post_init__(self) -> None:
-        # Accept the names users type ("decode", "fail"); store the enums.
-        object.__setattr__(self, "role", Role.parse(self.role))
-        object.__setattr__(
-            self, "kv_load_failure_policy", LoadFailurePolicy.parse(self.kv_load_failure_policy)
-        )
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -2,150 +2,51 @@
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from tandem.engine.attention.backend import get_backend
-from tandem.engine.block_pool import BlockPool, KVEvent
+from tandem.engine.builder import EngineParts, build_engine_parts
 from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
-from tandem.engine.model_runner import KVCacheSpec, ModelRunner
-from tandem.engine.models.loader import load_model, parse_dtype, resolve_model_path
+from tandem.engine.hooks import ColocatedHooks, RoleHooks
+from tandem.engine.kv_cache_manager import cdiv
+from tandem.engine.kv_events import KVEvent
+from tandem.engine.outputs import EngineOutput, EngineStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler
 
-
-@dataclass(slots=True)
-class EngineOutput:
-    """What one request produced in one step (a delta), or its end."""
-
-    request_id: str
-    group_id: str
-    index: int
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    # Prefill role: where the decode worker pulls this request's KV from (wire dict).
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-
-
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def eos_token_ids(path: Path, hf_config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json, then config.json, then the tokenizer."""
-    gen = path / "generation_config.json"
-    value = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    if value is None:
-        value = hf_config.get("eos_token_id")
-    if value is None:
-        value = tokenizer.eos_token_id
-    if value is None:
-        return frozenset()
-    return frozenset(value if isinstance(value, list) else [value])
+__all__ = ["Engine", "EngineOutput", "EngineStats"]
 
 
 class Engine:
     """Single-threaded: add_request / step / abort are called from one thread (the offline LLM
-    loop or a worker's engine thread). Blocks belong to the scheduler's KVCacheManager."""
+    loop or a worker's engine thread). Blocks belong to the scheduler's KVCacheManager.
 
-    def __init__(self, config: EngineConfig) -> None:
-        from tandem.engine.models.loader import read_hf_config
+    ``hooks`` are the worker role's policy (prefill hand-off, decode KV loads); the default is
+    colocated. Built from an ``EngineConfig``, or from ``EngineParts`` a worker already built.
+    """
 
-        self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = read_hf_config(self.model_path)
-        torch.manual_seed(config.seed)
-        device = torch.device(config.device)
-        dtype = parse_dtype(config.dtype)
-        backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
-        self.backend = get_backend(backend_name)
-        model = load_model(self.model_path, dtype, config.device, use_kernels=device.type == "cuda")
-        arch = model.cfg
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
-        self.max_model_len = min(
-            config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
-        )
-        cache = config.cache
-        bs = cache.block_size
-        spec = KVCacheSpec(1, arch.num_layers, bs, arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = cache.num_blocks or max(1, self._kv_budget(cache, device) // spec.block_bytes)
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len"
-            )
-        self.kv_spec = KVCacheSpec(
-            num_blocks, arch.num_layers, bs, arch.num_kv_heads, arch.head_dim, dtype
-        )
-        self.pool = BlockPool(num_blocks, enable_caching=cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, bs, cache.enable_prefix_caching)
-        sched_cfg = config.scheduler
-        if sched_cfg.max_model_len != self.max_model_len:
-            from dataclasses import replace
-
-            sched_cfg = replace(sched_cfg, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.runner = ModelRunner(model, self.backend, self.kv_spec, device)
-        self.arch = arch
-        if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
-            self._capture_graphs(sched_cfg.max_num_seqs)
+    def __init__(self, config: EngineConfig | EngineParts, hooks: RoleHooks | None = None) -> None:
+        parts = config if isinstance(config, EngineParts) else build_engine_parts(config)
+        self.config = parts.config
+        self.model_path = parts.model_path
+        self.hf_config = parts.hf_config
+        self.arch = parts.arch
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len = parts.max_model_len
+        self.layout = parts.layout
+        self.pool = parts.pool
+        self.kv = parts.kv
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.hooks: RoleHooks = hooks or ColocatedHooks()
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Set by a prefill or decode worker (tandem.kvtransfer.KVConnector); None when colocated.
-        self.connector: Any = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-
-    @staticmethod
-    def _kv_budget(cache: Any, device: torch.device) -> int:
-        if device.type != "cuda":
-            return cache.kv_cache_memory_bytes
-        free, total = torch.cuda.mem_get_info(device)
-        # Leave room for activations and CUDA graphs: 5% of the card beyond what is used now.
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - int(0.05 * total)
-        if budget <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                f"{cache.gpu_memory_utilization}"
-            )
-        return budget
-
-    def _capture_graphs(self, max_num_seqs: int) -> None:
-        from tandem.engine.model_runner import DecodeGraphs
-
-        graphs = DecodeGraphs(self.runner, min(max_num_seqs, 256), self.max_model_len)
-        graphs.capture()
-        self.runner.graphs = graphs
 
     # ---- requests -----------------------------------------------------------------------------
     def make_requests(
@@ -183,7 +84,7 @@ class Engine:
                     list(token_ids),
                     params,
                     eos_token_ids=self.eos_token_ids,
-                    block_size=self.kv_spec.block_size,
+                    block_size=self.layout.block_size,
                     priority=priority,
                     arrival_time=arrival,
                     generator=gen,
@@ -230,30 +131,28 @@ class Engine:
         return reqs
 
     def enqueue(self, req: Request) -> None:
-        """Queue a built request. A decode-side request (kv_transfer_params set) already holds
-        the prefill's first token; its detokenizer consumes it silently, because the prefill
-        worker already streamed that text from the same detokenizer state."""
+        """Queue a built request, after the role's ``on_admit`` accepted it (ValueError: nothing
+        is queued). A decode-side request (kv_transfer_params set) already holds the prefill's
+        first token; its detokenizer consumes it silently, because the prefill worker already
+        streamed that text from the same detokenizer state."""
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
         if req.output_token_ids:
             detok.append(req.output_token_ids)
+        self.hooks.on_admit(req)
         self._requests[req.request_id] = req
         self._detok[req.request_id] = detok
         self.scheduler.add_request(req)
-        if req.kv_transfer_params is not None:
-            # Keep the prefill's lease alive while the request queues here for blocks.
-            self.connector.hold(req.request_id, req.kv_transfer_params)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort by request id or group id (n > 1); frees blocks, pinned ones included."""
         wanted = set(request_ids)
-        ids = {rid for rid, r in self._requests.items() if rid in wanted or r.group_id in wanted}
-        ids |= wanted & self.scheduler.pinned.keys()
-        if self.connector is not None:
-            sched = self.scheduler
-            remote = {r.request_id for r in sched.waiting if r.kv_transfer_params}
-            for rid in ids & (sched.pinned.keys() | sched.loading.keys() | remote):
-                self.connector.abort(rid)
-        done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        found = {r.request_id: r for r in self._requests.values()
+                 if r.request_id in wanted or r.group_id in wanted}  # fmt: skip
+        pinned = self.scheduler.pinned
+        found.update({rid: pinned[rid] for rid in wanted & pinned.keys()})
+        for req in found.values():
+            self.hooks.on_abort(req)
+        done = self.scheduler.finish_requests(found, RequestStatus.FINISHED_ABORTED)
         return [self._final(r) for r in done]
 
     @property
@@ -262,50 +161,25 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        outputs = self._poll_connector() if self.connector is not None else []
-        sched = self.scheduler.schedule()
-        for load in sched.loads:
-            failed = self._start_load(load)
-            if failed is not None:
-                outputs.append(failed)
-        if sched.is_empty:
+        sched = self.scheduler
+        outputs = self._finals(self.hooks.before_step(sched))
+        out = sched.schedule()
+        outputs += self._finals(self.hooks.on_scheduled(sched, out))
+        if out.is_empty:
             return outputs
-        result = self.runner.execute(sched)
-        for s in sched.scheduled:
+        result = self.runner.execute(out)
+        for s in out.scheduled:
             if s.request.num_computed_tokens < s.request.num_prompt_tokens:
                 self.num_prompt_tokens += min(
                     s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens
                 )
-        changed = self.scheduler.update(sched, result)
+        changed = sched.update(out, result)
         for req in changed:
             outputs.append(self._process(req, result.logprobs.get(req.request_id)))
         return outputs
 
-    def _poll_connector(self) -> list[EngineOutput]:
-        for rid in self.connector.take_released():
-            self.scheduler.release_pinned(rid)
-        outputs = []
-        for res in self.connector.take_finished_loads():
-            reason = res.reason.value if res.reason is not None else None
-            detail = f"{reason}: {res.detail}" if res.detail else reason
-            ended = self.scheduler.finish_load(res.request_id, res.ok, detail)
-            if ended is not None and ended.request_id in self._requests:
-                outputs.append(self._final(ended))
-        return outputs
-
-    def _start_load(self, load: Any) -> EngineOutput | None:
-        """Hand a pull to the connector; returns the request's final output if it ended here."""
-        req = load.request
-        try:
-            self.connector.start_load(
-                req.request_id, req.kv_transfer_params, load.remote_block_ids, load.local_block_ids
-            )
-        except ValueError as exc:
-            # Nothing was started, so nothing writes the blocks: treat as a failed pull now.
-            ended = self.scheduler.finish_load(req.request_id, False, f"invalid transfer: {exc}")
-            if ended is not None and ended.request_id in self._requests:
-                return self._final(ended)
-        return None
+    def _finals(self, ended: list[Request]) -> list[EngineOutput]:
+        return [self._final(r) for r in ended if r.request_id in self._requests]
 
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
         token = req.output_token_ids[-1]
@@ -326,10 +200,7 @@ class Engine:
             text += detok.finish()
         out = _output(req, [token], text, [logprobs] if logprobs is not None else [])
         if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
-            params = self.connector.publish(
-                req.request_id, list(req.block_ids), req.num_prompt_tokens, token
-            )
-            out.kv_transfer_params = params.to_dict()
+            self.hooks.on_handoff(req, out)
         if req.is_finished:
             self._forget(req)
         return out
@@ -361,7 +232,7 @@ class Engine:
         self.kv.check_integrity()
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.kv_spec.block_size)
+        return cdiv(num_tokens, self.layout.block_size)
 
 
 def _output(

@@ -1,56 +1,101 @@
-"""KVEventPublisher: the worker's ZMQ PUB of BlockStored/BlockRemoved/AllCleared (msgpack)."""
+"""KV events: the one definition of their types and wire codec (docs/internal-api.md).
+
+A worker's block pool records BlockStored / BlockRemoved / AllCleared events; the worker shell's
+publisher sends them after each step as ``[TOPIC, encode_events(...)]`` over ZMQ PUB, and the
+router's subscriber decodes them with ``decode_batch``. Pure: msgpack only, no torch, no sockets,
+so the router imports this module without pulling in the engine.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
 import msgpack
-import zmq
 
-from tandem.engine.block_pool import KVEvent, KVEventKind
+from tandem.engine.hashing import BlockHash
 
-EVENTS_TOPIC = b"kv"
-EVENTS_VERSION = 1
-# Wire names of the event kinds; the router decodes with the inverse of this map.
+TOPIC = b"kv"
+VERSION = 1
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+class KVEventKind(IntEnum):
+    STORED = 0
+    REMOVED = 1
+    CLEARED = 2
+
+
+# Wire names of the event kinds.
 EVENT_NAMES = {
     KVEventKind.STORED: "stored",
     KVEventKind.REMOVED: "removed",
     KVEventKind.CLEARED: "cleared",
 }
+_KINDS = {name: kind for kind, name in EVENT_NAMES.items()}
+
+
+@dataclass(slots=True, frozen=True)
+class KVEvent:
+    """A change to the set of cached block hashes."""
+
+    kind: KVEventKind
+    block_hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class KVEventBatch:
+    """One published message: ``seq`` counts messages per publisher from 0."""
+
+    engine_id: str
+    seq: int
+    events: tuple[KVEvent, ...]
+
+
+class MalformedEvent(ValueError):
+    """A message that must be dropped (the subscriber then resyncs from a snapshot)."""
 
 
 def encode_events(engine_id: str, seq: int, events: list[KVEvent]) -> bytes:
-    """The wire payload of docs/internal-api.md (pure; tested exactly)."""
+    """The payload frame of one message (tested exactly against the documented format)."""
     body = []
     for e in events:
         name = EVENT_NAMES[e.kind]
         body.append([name] if e.kind == KVEventKind.CLEARED else [name, list(e.block_hashes)])
-    return msgpack.packb({"v": EVENTS_VERSION, "engine_id": engine_id, "seq": seq, "events": body})
+    return msgpack.packb({"v": VERSION, "engine_id": engine_id, "seq": seq, "events": body})
 
 
-class KVEventPublisher:
-    """Used only from the engine thread (ZMQ sockets are not thread-safe)."""
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one payload frame; raises MalformedEvent naming what is wrong."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise MalformedEvent(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MalformedEvent(f"not msgpack: {exc}") from None
+    if not isinstance(msg, dict):
+        raise MalformedEvent("message is not a map")
+    if msg.get("v") != VERSION:
+        raise MalformedEvent(f"unsupported protocol version {msg.get('v')!r}")
+    engine_id, seq, raw_events = msg.get("engine_id"), msg.get("seq"), msg.get("events")
+    if not isinstance(engine_id, str):
+        raise MalformedEvent("engine_id must be a string")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise MalformedEvent("seq must be a non-negative integer")
+    if not isinstance(raw_events, list):
+        raise MalformedEvent("events must be a list")
+    return KVEventBatch(engine_id, seq, tuple(_decode_event(e) for e in raw_events))
 
-    def __init__(self, engine_id: str, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.engine_id = engine_id
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 10_000)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self.seq = 0
 
-    def publish(self, events: list[KVEvent]) -> None:
-        if not events:
-            return
-        payload = encode_events(self.engine_id, self.seq, events)
-        self.seq += 1
-        try:
-            self._sock.send_multipart([EVENTS_TOPIC, payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a subscriber that cannot keep up sees a sequence gap and resyncs
-
-    def close(self) -> None:
-        self._sock.close(0)
+def _decode_event(raw: Any) -> KVEvent:
+    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
+        raise MalformedEvent(f"unknown event {raw!r:.80}")
+    kind = _KINDS[raw[0]]
+    if kind is KVEventKind.CLEARED:
+        return KVEvent(kind)
+    if len(raw) != 2 or not isinstance(raw[1], list):
+        raise MalformedEvent(f"{raw[0]} event needs a list of hashes")
+    if not all(isinstance(h, bytes) for h in raw[1]):
+        raise MalformedEvent(f"{raw[0]} hashes must be bytes")
+    return KVEvent(kind, tuple(raw[1]))

@@ -1,4 +1,7 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples."""
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+It owns the KV cache tensor, allocated from the engine's ``KVLayout`` (see kv_layout.py).
+"""
 
 from __future__ import annotations
 
@@ -7,36 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.engine.attention.backend import AttentionBackend, AttentionMetadata
+from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.kv_layout import KVLayout
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.sampler import Sampler, SamplingRow
-from tandem.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-
-
-@dataclass(slots=True, frozen=True)
-class KVCacheSpec:
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (
-            self.num_blocks,
-            self.num_layers,
-            2,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-
-    @property
-    def block_bytes(self) -> int:
-        per_block = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return per_block * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(slots=True)
@@ -56,15 +34,15 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
-        spec: KVCacheSpec,
+        layout: KVLayout,
         device: torch.device,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.spec = spec
+        self.layout = layout
         self.device = device
         # Zeroed, not empty: padded attention reads unused slots under a mask, and NaN * 0 = NaN.
-        self.kv_cache = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
 
@@ -74,7 +52,7 @@ class ModelRunner:
         Per step and per sequence, so it stays in plain Python for decode rows (one token) and
         uses numpy only for prefill chunks.
         """
-        bs = self.spec.block_size
+        bs = self.layout.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -179,7 +157,7 @@ class DecodeGraphs:
 
         self.runner = runner
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // runner.spec.block_size)
+        self.max_blocks = -(-max_model_len // runner.layout.block_size)
         self.max_batch_size = max_batch_size
         self._backends = {}
         self._arange = torch.arange(max_batch_size + 1, dtype=torch.int32, device=runner.device)

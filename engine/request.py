@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandem.engine.hashing import BlockHash, hash_block
 
 if TYPE_CHECKING:
     import torch
 
+    from tandem.engine.kv_connector import KVTransferParams
     from tandem.engine.sampling_params import SamplingParams
 
 
@@ -91,9 +92,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.waited_steps = 0
         self.prompt_done_once = False
-        # Disaggregation: set on a prefill worker's request / a decode worker's request.
+        # Set by the worker role (see Scheduler): hand off after the prompt (prefill), or the
+        # prompt's KV comes from elsewhere (decode).
         self.remote_decode = False
-        self.kv_transfer_params: Any = None
+        self.kv_transfer_params: KVTransferParams | None = None
         self.error: str | None = None
         self._update_block_hashes()
 

@@ -3,55 +3,24 @@
 One policy for every role, in the manner of vLLM v1: each request simply has
 ``num_computed_tokens`` catch up with ``num_tokens`` under a per-step token budget, so chunked
 prefill, prefix-cache hits, decodes and recompute after preemption are the same code path.
-Roles differ only at the edges: a prefill worker stops a request after its first token and keeps
-its blocks pinned; a decode worker admits requests whose KV arrives from a remote worker.
+Roles differ only at the edges, and the scheduler offers them two generic mechanisms, keyed by
+request fields the role sets (``tandem.prefill`` / ``tandem.decode`` own the policy):
+
+- hand-off: a request marked ``remote_decode`` ends after its first token
+  (FINISHED_REMOTE_DECODE) and its blocks stay ``pinned`` until ``release_pinned``;
+- external KV: a request carrying ``kv_transfer_params`` is admitted with blocks for the prompt
+  part the local prefix cache lacks, waits in ``loading`` while the role fills them (a
+  ``LoadSpec`` in the step's output), and runs once ``finish_load`` says they are whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from tandem.engine.config import LoadFailurePolicy, Role, SchedulerConfig
+from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
+from tandem.engine.outputs import LoadSpec, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import TokenLogprobs
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # The chunk reaches the last known token, so its last position's logits are sampled.
-    sample: bool
-
-
-@dataclass(slots=True)
-class LoadSpec:
-    """Decode role: pull remote_block_ids[i] of the prefill worker into local_block_ids[i]."""
-
-    request: Request
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    # Decode role: KV pulls the engine must start through the connector.
-    loads: list[LoadSpec] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -172,10 +141,13 @@ class Scheduler:
         )
         return True
 
-    def finish_load(self, request_id: str, ok: bool, error: str | None) -> Request | None:
-        """Decode role: the connector finished (or gave up) pulling this request's KV.
+    def finish_load(
+        self, request_id: str, ok: bool, error: str | None, fail: bool = False
+    ) -> Request | None:
+        """The role finished (or gave up) filling this request's blocks (decode role).
 
-        Returns the request if it ended here (aborted before, or failed under policy FAIL).
+        On failure the request recomputes its prompt locally, or, with ``fail``, ends with an
+        error. Returns the request if it ended here (aborted before, or failed with ``fail``).
         """
         req = self.loading.pop(request_id, None)
         if req is None:
@@ -192,7 +164,7 @@ class Scheduler:
         self.kv.free(req)
         req.kv_transfer_params = None
         req.num_computed_tokens = 0
-        if self.config.kv_load_failure_policy == LoadFailurePolicy.FAIL:
+        if fail:
             req.status = RequestStatus.FINISHED_ERROR
             req.error = f"KV transfer from the prefill worker failed: {error}"
             return req
@@ -240,7 +212,7 @@ class Scheduler:
             token = result.sampled_token_ids[req.request_id]
             req.append_output_token(token)
             status = self._check_stop(req, token)
-            if status is None and self.config.role == Role.PREFILL and req.remote_decode:
+            if status is None and req.remote_decode:
                 status = RequestStatus.FINISHED_REMOTE_DECODE
             if status is not None:
                 self._finish(req, status)

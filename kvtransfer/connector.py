@@ -10,39 +10,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
 import zmq.asyncio
 
+from tandem.engine.kv_connector import KVTransferParams, LoadResult
+from tandem.engine.kv_layout import KVLayout
+from tandem.engine.role import Role
 from tandem.kvtransfer.context import ConnectorContext
 from tandem.kvtransfer.decode_side import DecodeSide
 from tandem.kvtransfer.metrics import KVTransferMetrics
 from tandem.kvtransfer.prefill_side import PrefillSide
 from tandem.kvtransfer.transport import RecvTransport, SendTransport
-from tandem.kvtransfer.types import KVLayout, KVTransferParams, LoadResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Role(enum.IntEnum):
-    PREFILL = 1
-    DECODE = 2
-    BOTH = 3
-
-
 class ZmqKVConnector:
-    """See ``tandem.kvtransfer.types.KVConnector`` for the engine-facing contract.
+    """Implements ``tandem.engine.kv_connector.KVConnector`` (the contract the role hooks use).
 
     Built by ``create_connector``; the caller owns it and must ``close()`` it. ``kv_cache`` stays
     the engine's: the connector reads published blocks and writes loaded ones, nothing else.
+    ``role`` PREFILL serves pulls, DECODE pulls, COLOCATED does both.
     """
 
     def __init__(
@@ -50,6 +45,7 @@ class ZmqKVConnector:
         layout: KVLayout,
         kv_cache: torch.Tensor,
         role: Role,
+        engine_id: str,
         send: SendTransport | None,
         recv: RecvTransport | None,
         zctx: zmq.asyncio.Context,
@@ -67,7 +63,7 @@ class ZmqKVConnector:
             role != Role.PREFILL
         ):
             raise ValueError("transports do not match the role")
-        self.engine_id = uuid.uuid4().hex
+        self.engine_id = engine_id
         self.layout = layout
         self.role = role
         self._lease_seconds = lease_seconds

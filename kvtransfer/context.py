@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import zmq.asyncio
 
+from tandem.engine.kv_connector import FailureReason
+from tandem.engine.kv_layout import KVLayout
 from tandem.kvtransfer.metrics import KVTransferMetrics
-from tandem.kvtransfer.types import FailureReason, KVLayout
 
 log = logging.getLogger(__name__)
 

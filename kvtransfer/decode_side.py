@@ -1,11 +1,12 @@
-"""Decode side of the connector: handshakes with prefill engines and pulls blocks.
+"""Decode side of the connector: the lifecycle of each load (hold, pull, finish, release).
 
-A load handshakes once per prefill engine (layout and transport checked on both ends, data
-channel connected), sends PULL, posts its receives only after PULL_ACCEPTED (so no receive is
-left posted for data nobody sends), and succeeds only when every byte arrived and, where the
-transport cannot tell by itself, prefill reported PULL_DONE. It then tells prefill to release.
-Any failure ends the load with a reason and still releases on prefill (best effort: the lease
-covers a lost message). Pending loads renew their leases every third of the lease.
+A load first gets the ``PeerLink`` to its prefill engine (one per engine: handshake with layout
+and transport checked on both ends, data channel connected; see peer_link.py), then sends PULL,
+posts its receives only after PULL_ACCEPTED (so no receive is left posted for data nobody
+sends), and succeeds only when every byte arrived and, where the transport cannot tell by
+itself, prefill reported PULL_DONE. It then tells prefill to release. Any failure ends the load
+with a reason and still releases on prefill (best effort: the lease covers a lost message).
+Pending loads renew their leases every third of the lease.
 """
 
 from __future__ import annotations
@@ -14,17 +15,13 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
+from tandem.engine.kv_connector import FailureReason, KVTransferParams, LoadResult
 from tandem.kvtransfer import protocol as p
-from tandem.kvtransfer.context import ConnectorContext, LoadFailure, log_send_error
+from tandem.kvtransfer.context import ConnectorContext, LoadFailure
+from tandem.kvtransfer.peer_link import Held, PeerLink
 from tandem.kvtransfer.transport import RecvTransport, TransferError, block_bytes_view
-from tandem.kvtransfer.types import FailureReason, KVTransferParams, LoadResult, layout_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -34,39 +31,17 @@ class _Load:
     request_id: str
     params: KVTransferParams
     runs: list[tuple[int, int, int]]
-    interrupt: asyncio.Future[LoadFailure] | None = None
+    interrupt_future: asyncio.Future[LoadFailure] | None = None
     receiving: bool = False
     aborted: bool = False
     last_renew: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
-
-@dataclass(slots=True)
-class _Held:
-    """A request decode has admitted but not yet allocated blocks for: keep its lease alive."""
-
-    params: KVTransferParams
-    last_renew: float = 0.0
-
-
-@dataclass(slots=True)
-class _Peer:
-    address: str
-    token: bytes
-    sock: zmq.asyncio.Socket
-    monitor: zmq.asyncio.Socket  # EVENT_DISCONNECTED of sock: prefill died or restarted
-    hello: asyncio.Future[p.HelloOk]  # the prefill's answer (set by the reader)
-    ready: asyncio.Future[p.HelloOk]  # answer checked and data channel connected
-    engine_id: str | None = None
-    # per transfer: (answer to PULL, PULL_DONE); both registered up front since replies can
-    # arrive before the load's coroutine resumes
-    waiters: dict[int, tuple[asyncio.Future[p.Message], asyncio.Future[p.Message]]] = field(
-        default_factory=dict
-    )
-    loads: dict[str, _Load] = field(default_factory=dict)  # by remote request id
-    held: dict[str, _Held] = field(default_factory=dict)  # by remote request id
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    closed: bool = False
+    def interrupt(self, failure: LoadFailure) -> None:
+        """Stop the load with ``failure`` (loop thread); the first interruption wins."""
+        self.aborted = self.aborted or failure.reason == FailureReason.ABORTED
+        if self.interrupt_future is not None and not self.interrupt_future.done():
+            self.interrupt_future.set_result(failure)
 
 
 class DecodeSide:
@@ -80,7 +55,7 @@ class DecodeSide:
         self._loads: dict[str, _Load] = {}
         self._held: dict[str, KVTransferParams] = {}  # by local request id, under ctx.lock
         self._finished: list[LoadResult] = []
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerLink] = {}
         self._closed = False
 
     def hold(self, request_id: str, params: KVTransferParams) -> None:
@@ -101,7 +76,7 @@ class DecodeSide:
         with self._ctx.lock:
             still_held = self._held.get(request_id) is params
         if still_held:
-            peer.held[params.remote_request_id] = _Held(params, self._ctx.clock())
+            peer.held[params.remote_request_id] = Held(params, self._ctx.clock())
 
     def start_load(
         self,
@@ -144,7 +119,7 @@ class DecodeSide:
             self._ctx.loop.call_soon_threadsafe(self._unhold, held)
         if load is not None:
             failure = LoadFailure(FailureReason.ABORTED, "aborted by decode")
-            self._ctx.loop.call_soon_threadsafe(self._interrupt, load, failure)
+            self._ctx.loop.call_soon_threadsafe(load.interrupt, failure)
 
     def _unhold(self, params: KVTransferParams) -> None:
         peer = self._peers.get(params.side_channel)
@@ -156,7 +131,7 @@ class DecodeSide:
         """Renew, every third of a lease, what pending loads and held requests still need."""
         now = self._ctx.clock()
         for peer in list(self._peers.values()):
-            entries: list[tuple[str, _Load | _Held]] = [*peer.loads.items(), *peer.held.items()]
+            entries: list[tuple[str, _Load | Held]] = [*peer.loads.items(), *peer.held.items()]
             due = [
                 (rid, entry)
                 for rid, entry in entries
@@ -167,13 +142,13 @@ class DecodeSide:
                     entry.last_renew = now
                 ids = tuple(dict.fromkeys(rid for rid, _ in due))
                 for i in range(0, len(ids), p.MAX_RENEW_IDS):
-                    self._send_peer(peer, p.Renew(peer.engine_id, ids[i : i + p.MAX_RENEW_IDS]))
+                    peer.send(p.Renew(peer.engine_id, ids[i : i + p.MAX_RENEW_IDS]))
 
     async def close(self) -> None:
         with self._ctx.lock:
             self._closed = True
         for peer in list(self._peers.values()):
-            await self._drop_peer(peer, LoadFailure(FailureReason.CLOSED, "connector closed"))
+            await peer.close(LoadFailure(FailureReason.CLOSED, "connector closed"))
         await self._recv.close()
 
     def fail_remaining(self) -> None:
@@ -197,28 +172,25 @@ class DecodeSide:
             self._ctx.count_failure(failure.reason)
             self._finished.append(LoadResult(request_id, False, failure.reason, failure.detail))
 
-    def _interrupt(self, load: _Load, failure: LoadFailure) -> None:
-        load.aborted = load.aborted or failure.reason == FailureReason.ABORTED
-        if load.interrupt is not None and not load.interrupt.done():
-            load.interrupt.set_result(failure)
-
     async def _run_load(self, load: _Load) -> None:
-        load.interrupt = self._ctx.loop.create_future()
+        load.interrupt_future = self._ctx.loop.create_future()
         if load.aborted:  # abort() raced with start
-            load.interrupt.set_result(LoadFailure(FailureReason.ABORTED, "aborted by decode"))
-        peer: _Peer | None = None
+            load.interrupt_future.set_result(
+                LoadFailure(FailureReason.ABORTED, "aborted by decode")
+            )
+        peer: PeerLink | None = None
         kind = p.ReleaseKind.FAILED
         try:
             peer = await self._until_interrupted(load, self._peer_for(load.params))
-            if load.interrupt.done():
-                raise load.interrupt.result()
+            if load.interrupt_future.done():
+                raise load.interrupt_future.result()
             peer.held.pop(load.params.remote_request_id, None)
             peer.loads[load.params.remote_request_id] = load
             load.last_renew = self._ctx.clock()
             if load.runs:
                 await self._pull(peer, load)
-            if load.interrupt.done():
-                raise load.interrupt.result()
+            if load.interrupt_future.done():
+                raise load.interrupt_future.result()
             kind = p.ReleaseKind.DONE
             failure = None
         except LoadFailure as exc:
@@ -231,9 +203,7 @@ class DecodeSide:
         if peer is not None:
             peer.loads.pop(load.params.remote_request_id, None)
             if peer.engine_id is not None and not peer.closed:
-                self._send_peer(
-                    peer, p.Release(load.params.engine_id, load.params.remote_request_id, kind)
-                )
+                peer.send(p.Release(load.params.engine_id, load.params.remote_request_id, kind))
         elif kind == p.ReleaseKind.ABORTED:
             # Aborted before the handshake finished: still free prefill's blocks now rather
             # than at lease expiry.
@@ -247,21 +217,21 @@ class DecodeSide:
         except LoadFailure as exc:
             log.info("kv: could not tell %s to release: %s", params.side_channel, exc)
             return
-        self._send_peer(peer, p.Release(params.engine_id, params.remote_request_id, kind))
+        peer.send(p.Release(params.engine_id, params.remote_request_id, kind))
 
     async def _until_interrupted(self, load: _Load, coro):  # noqa: ANN001, ANN202
-        assert load.interrupt is not None
+        assert load.interrupt_future is not None
         task = asyncio.ensure_future(coro)
-        await asyncio.wait({task, load.interrupt}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, load.interrupt_future}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            raise load.interrupt.result()
+            raise load.interrupt_future.result()
         return task.result()
 
-    async def _pull(self, peer: _Peer, load: _Load) -> None:
-        assert self._recv is not None and load.interrupt is not None
+    async def _pull(self, peer: PeerLink, load: _Load) -> None:
+        assert self._recv is not None and load.interrupt_future is not None
         recv = self._recv
         xfer = recv.new_xfer_id()
         views = [block_bytes_view(self._ctx.kv, loc, n) for _, loc, n in load.runs]
@@ -279,7 +249,7 @@ class DecodeSide:
                 xfer,
                 tuple((r, n) for r, _, n in load.runs),
             )
-            self._send_peer(peer, pull)
+            peer.send(pull)
             # Once prefill may be sending, a UCX load must see the transfer through (its
             # sends would otherwise stall on our side); TCP can drop the data on arrival.
             answer = self._until_interrupted(load, accepted) if recv.cancel_safe else accepted
@@ -291,12 +261,14 @@ class DecodeSide:
             load.receiving = True
             waiting = asyncio.ensure_future(recv.wait(xfer, self._ctx.transfer_timeout))
             if recv.cancel_safe:
-                await asyncio.wait({waiting, load.interrupt}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiting, load.interrupt_future}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if not waiting.done():
                     waiting.cancel()
                     with contextlib.suppress(BaseException):
                         await waiting
-                    raise load.interrupt.result()
+                    raise load.interrupt_future.result()
             try:
                 await waiting
             except TransferError as exc:
@@ -313,21 +285,21 @@ class DecodeSide:
             peer.waiters.pop(xfer, None)
             recv.forget(xfer)
 
-    async def _peer_for(self, params: KVTransferParams) -> _Peer:
+    async def _peer_for(self, params: KVTransferParams) -> PeerLink:
         peer = self._peers.get(params.side_channel)
         if peer is not None and peer.ready.done() and peer.engine_id != params.engine_id:
             # The address now serves another engine (a restart) or the params are stale:
             # handshake again rather than trust what we learned from a predecessor.
-            await self._drop_peer(peer, LoadFailure(FailureReason.STALE_ENGINE, "engine changed"))
+            await peer.close(LoadFailure(FailureReason.STALE_ENGINE, "engine changed"))
             peer = None
         if peer is None:
-            peer = self._connect(params.side_channel)
+            peer = self._open_peer(params.side_channel)
         try:
             hello = await asyncio.wait_for(
                 asyncio.shield(peer.ready), 2 * self._ctx.handshake_timeout
             )
         except TimeoutError:
-            await self._drop_peer(peer, LoadFailure(FailureReason.HANDSHAKE, "timed out"))
+            await peer.close(LoadFailure(FailureReason.HANDSHAKE, "timed out"))
             raise LoadFailure(
                 FailureReason.HANDSHAKE, f"no handshake answer from {params.side_channel}"
             ) from None
@@ -339,164 +311,15 @@ class DecodeSide:
             )
         return peer
 
-    def _connect(self, address: str) -> _Peer:
+    def _open_peer(self, address: str) -> PeerLink:
         assert self._recv is not None
-        token = uuid.uuid4().bytes
-        sock = self._ctx.zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, token)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(address)
-        peer = _Peer(
-            address,
-            token,
-            sock,
-            monitor,
-            self._ctx.loop.create_future(),
-            self._ctx.loop.create_future(),
-        )
+        peer = PeerLink.open(self._ctx, self._recv, address, self._forget_peer)
         self._peers[address] = peer
-        peer.tasks.append(self._ctx.spawn(self._handshake(peer)))
-        peer.tasks.append(self._ctx.spawn(self._read_peer(peer)))
-        peer.tasks.append(self._ctx.spawn(self._watch_peer(peer)))
         return peer
 
-    async def _handshake(self, peer: _Peer) -> None:
-        assert self._recv is not None
-        self._send_peer(peer, p.Hello(self._ctx.engine_id, self._recv.name, self._ctx.layout))
-        try:
-            reply = await asyncio.shield(peer.hello)
-            await self._recv.connect(reply.data_address, peer.token, self._ctx.handshake_timeout)
-        except (LoadFailure, TransferError) as exc:
-            failure = (
-                exc
-                if isinstance(exc, LoadFailure)
-                else LoadFailure(FailureReason.HANDSHAKE, str(exc))
-            )
-            await self._drop_peer(peer, failure)
-            return
-        peer.engine_id = reply.engine_id
-        self._set_future(peer.ready, reply)
-
-    @staticmethod
-    def _set_future(fut: asyncio.Future[p.HelloOk], value: p.HelloOk | LoadFailure) -> None:
-        if fut.done():
-            return
-        if isinstance(value, LoadFailure):
-            fut.set_exception(value)
-            fut.exception()  # mark retrieved: whoever awaits re-raises it
-        else:
-            fut.set_result(value)
-
-    async def _read_peer(self, peer: _Peer) -> None:
-        while True:
-            frames = await peer.sock.recv_multipart()
-            try:
-                self._on_peer_frames(peer, frames)
-            except Exception:
-                log.exception("kv side channel: peer handler failed")
-
-    def _on_peer_frames(self, peer: _Peer, frames: list[bytes]) -> None:
-        if len(frames) != 1:
-            log.warning("kv side channel: dropped a %d-frame reply", len(frames))
-            self._ctx.count_failure(FailureReason.BAD_MESSAGE)
-            return
-        try:
-            msg = p.decode_message(frames[0])
-        except p.ProtocolError as exc:
-            log.warning("kv side channel: bad reply from %s: %s", peer.address, exc)
-            self._ctx.count_failure(FailureReason.BAD_MESSAGE)
-            return
-        log.debug("kv side channel: %s from %s", type(msg).__name__, peer.address)
-        match msg:
-            case p.HelloOk():
-                problem = layout_mismatch(self._ctx.layout, msg.layout)
-                if problem is not None:
-                    self._set_future(
-                        peer.hello, LoadFailure(FailureReason.LAYOUT_MISMATCH, problem)
-                    )
-                elif self._recv is None or msg.transport != self._recv.name:
-                    self._set_future(
-                        peer.hello,
-                        LoadFailure(FailureReason.HANDSHAKE, f"prefill uses {msg.transport}"),
-                    )
-                else:
-                    self._set_future(peer.hello, msg)
-            case p.PullAccepted() | p.PullDone() | p.Error() if msg.xfer_id is not None:
-                futures = peer.waiters.get(msg.xfer_id, ())
-                if isinstance(msg, p.PullDone):
-                    futures = futures[1:]
-                for fut in futures:
-                    if not fut.done():
-                        fut.set_result(msg)
-                        break
-            case p.Error():
-                log.warning("kv side channel: %s says %s: %s", peer.address, msg.code, msg.message)
-                if not peer.hello.done():
-                    reason = (
-                        FailureReason.LAYOUT_MISMATCH
-                        if msg.code == "layout_mismatch"
-                        else FailureReason.HANDSHAKE
-                    )
-                    self._set_future(peer.hello, LoadFailure(reason, msg.message))
-            case p.Aborted():
-                load = peer.loads.get(msg.request_id)
-                if load is not None and msg.engine_id == load.params.engine_id:
-                    self._interrupt(
-                        load,
-                        LoadFailure(
-                            FailureReason.PEER_ABORTED, f"prefill released it: {msg.reason}"
-                        ),
-                    )
-            case _:
-                log.warning("kv side channel: unexpected %s from prefill", type(msg).__name__)
-
-    async def _watch_peer(self, peer: _Peer) -> None:
-        while True:
-            event = parse_monitor_message(await peer.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                break
-        await self._drop_peer(
-            peer,
-            LoadFailure(
-                FailureReason.PEER_DISCONNECTED,
-                f"side channel to {peer.address} disconnected (prefill died?)",
-            ),
-        )
-
-    async def _drop_peer(self, peer: _Peer, failure: LoadFailure) -> None:
-        if peer.closed:
-            return
-        peer.closed = True
+    def _forget_peer(self, peer: PeerLink) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
-        self._set_future(peer.hello, failure)
-        self._set_future(peer.ready, failure)
-        for load in list(peer.loads.values()):
-            self._interrupt(load, failure)
-        for futures in peer.waiters.values():
-            for fut in futures:
-                if not fut.done():
-                    fut.set_result(p.Error(failure.reason.value, failure.detail, None, None))
-        current = asyncio.current_task()
-        for task in peer.tasks:
-            if task is not current:
-                task.cancel()
-        if self._recv is not None:
-            with contextlib.suppress(TransferError):
-                await self._recv.disconnect(peer.token)
-        # libzmq's I/O thread sends monitor events with a blocking send: stop the monitor before
-        # its reading end goes away, or one late event wedges every socket of the context.
-        peer.sock.disable_monitor()
-        peer.monitor.close(linger=0)
-        peer.sock.close(linger=0)
-
-    def _send_peer(self, peer: _Peer, msg: p.Message) -> None:
-        if peer.closed:
-            return
-        fut = peer.sock.send(p.encode_message(msg))
-        fut.add_done_callback(log_send_error)
 
 
 def _raise_for_reply(reply: p.Message) -> None:

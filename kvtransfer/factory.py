@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+
 import torch
 import zmq.asyncio
 
-from tandem.kvtransfer.connector import Role, ZmqKVConnector
+from tandem.engine.kv_layout import KVLayout
+from tandem.engine.role import Role
+from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.metrics import KVTransferMetrics
 from tandem.kvtransfer.tcp_transport import TcpRecvTransport, TcpSendTransport
-from tandem.kvtransfer.types import KVLayout
 
 DEFAULT_LEASE_SECONDS = 10.0
 DEFAULT_TRANSFER_TIMEOUT = 30.0
@@ -19,7 +22,7 @@ def create_connector(
     transport: str,
     layout: KVLayout,
     kv_cache: torch.Tensor,
-    role: str,
+    role: Role | str,
     host: str = "127.0.0.1",
     side_channel_port: int = 0,
     lease_seconds: float = DEFAULT_LEASE_SECONDS,
@@ -27,27 +30,28 @@ def create_connector(
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     advertise_host: str | None = None,
+    engine_id: str | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
     ``transport`` is ``"ucx"`` (ucxx; TCP/shared-memory/CUDA transports as UCX_TLS allows) or
     ``"tcp"`` (pyzmq). The caller owns the connector and must ``close()`` it; ``kv_cache`` stays
-    the caller's and must outlive it. Each construction gets a fresh ``engine_id``.
+    the caller's and must outlive it.
     ``host`` is where the side channel (and the TCP data socket) listen; ``advertise_host`` is
     the address decode workers dial (the pod IP when ``host`` is ``0.0.0.0``); default ``host``.
     ``transfer_timeout`` bounds each pull phase, ``handshake_timeout`` the first contact.
+    ``role`` prefill serves pulls, decode pulls, colocated does both. ``engine_id`` is the
+    worker's one engine id (a fresh one when omitted): decode refuses a pull whose params name
+    another, so a restarted prefill is never read as its predecessor.
     """
-    try:
-        role_enum = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}[role]
-    except KeyError:
-        raise ValueError(f"role must be prefill, decode or both, got {role!r}") from None
+    role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
         raise ValueError("lease_seconds must be in (0, 3600]")
     if transfer_timeout <= 0 or handshake_timeout <= 0:
         raise ValueError("timeouts must be positive")
     zctx = zmq.asyncio.Context.instance()
-    wants_send = role_enum in (Role.PREFILL, Role.BOTH)
-    wants_recv = role_enum in (Role.DECODE, Role.BOTH)
+    wants_send = role_enum in (Role.PREFILL, Role.COLOCATED)
+    wants_recv = role_enum in (Role.DECODE, Role.COLOCATED)
     if transport == "tcp":
         send = TcpSendTransport(zctx) if wants_send else None
         recv = TcpRecvTransport(zctx) if wants_recv else None
@@ -67,6 +71,7 @@ def create_connector(
         layout=layout,
         kv_cache=kv_cache,
         role=role_enum,
+        engine_id=engine_id or uuid.uuid4().hex,
         send=send,
         recv=recv,
         zctx=zctx,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.kvtransfer.types import FailureReason
+from tandem.engine.kv_connector import FailureReason
 
 
 @dataclass(frozen=True, slots=True)

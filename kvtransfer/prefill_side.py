@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from tandem.engine.kv_connector import FailureReason, KVTransferParams
+from tandem.engine.kv_layout import layout_mismatch
 from tandem.kvtransfer import protocol as p
 from tandem.kvtransfer.context import ConnectorContext, log_send_error
 from tandem.kvtransfer.lease import LeaseTable, Released
 from tandem.kvtransfer.transport import TOKEN_BYTES, SendTransport, TransferError, block_bytes_view
-from tandem.kvtransfer.types import FailureReason, KVTransferParams, layout_mismatch
 
 log = logging.getLogger(__name__)
 _MAX_HELLO_PEERS = 4096

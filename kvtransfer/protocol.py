@@ -15,12 +15,8 @@ from typing import Any
 
 import msgpack
 
-from tandem.kvtransfer.types import (
-    COMPATIBLE_FIELDS,
-    MAX_BLOCKS_PER_REQUEST,
-    MAX_ID_LEN,
-    KVLayout,
-)
+from tandem.engine.kv_connector import MAX_BLOCKS_PER_REQUEST, MAX_ID_LEN
+from tandem.engine.kv_layout import COMPATIBLE_FIELDS, KVLayout
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # a 2**16-block pull is ~400 KiB of msgpack; anything bigger is hostile

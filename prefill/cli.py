@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from tandem.engine.role import Role
+from tandem.engine.worker.cli import parser, serve
+from tandem.prefill.role import PrefillRole
+
 
 def main(argv: list[str]) -> int:
-    from tandem.engine.worker_cli import main as worker_main
-
-    return worker_main("prefill", argv)
+    args = parser(Role.PREFILL).parse_args(argv)
+    return serve(args, PrefillRole(args.kv_transport, args.kv_lease_seconds))

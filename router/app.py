@@ -25,14 +25,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.model_path import resolve_model_path
+from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError, bad_request
 from tandem.router.metrics import RouterMetrics
 from tandem.router.protocol import parse_body
-from tandem.router.registry import Heartbeat, Role, WorkerInfo
+from tandem.router.registry import Heartbeat, WorkerInfo
 from tandem.router.serving import handle_generation
 from tandem.router.sse import Kind
 from tandem.router.state import RouterConfig, RouterState
-from tandem.router.tokenizer import PromptEncoder, resolve_model_path
+from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import MAX_LINE_BYTES
 
 __all__ = ["RouterConfig", "create_app"]

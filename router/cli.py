@@ -69,8 +69,8 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
+    from tandem.engine.model_path import resolve_model_path
     from tandem.router.app import RouterConfig, create_app
-    from tandem.router.tokenizer import resolve_model_path
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         model_path = args.tokenizer or str(resolve_model_path(args.model))
-    except FileNotFoundError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     config = RouterConfig(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.hashing import HASH_ALGORITHM, BlockHash, hash_block_tokens
+from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError, no_workers
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import (
@@ -35,7 +36,7 @@ from tandem.router.placement import (
     decide_prefill,
 )
 from tandem.router.prefix_index import PrefixIndex
-from tandem.router.registry import Role, WorkerRegistry, WorkerState
+from tandem.router.registry import WorkerRegistry, WorkerState
 from tandem.router.worker_client import (
     WorkerClient,
     WorkerRejected,

@@ -4,7 +4,8 @@ The app starts a subscription when a worker registers and stops it when the work
 ``KvEventSubscriber`` owns the ZMQ context and every socket. Each task first loads a snapshot
 (``/v1/internal/kv_blocks``, whose ``seq`` is the number of the next message the worker will
 publish), then applies events in sequence order; a gap, a foreign engine id or a
-malformed message triggers another snapshot. Messages are msgpack data only, size-limited.
+malformed message triggers another snapshot. Messages are msgpack data only, size-limited; the
+codec is the engine's (``tandem.engine.kv_events``), shared with the workers' publisher.
 """
 
 from __future__ import annotations
@@ -12,71 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from tandem.engine.block_pool import KVEvent, KVEventKind
-from tandem.engine.kv_events import EVENT_NAMES, EVENTS_TOPIC, EVENTS_VERSION
-from tandem.router.prefix_index import ApplyResult, KvEventBatch, PrefixIndex
+from tandem.engine.kv_events import MAX_MESSAGE_BYTES, TOPIC, MalformedEvent, decode_batch
+from tandem.router.prefix_index import ApplyResult, PrefixIndex
 from tandem.router.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
-
-TOPIC = EVENTS_TOPIC
-PROTOCOL_VERSION = EVENTS_VERSION
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-_KINDS = {name: kind for kind, name in EVENT_NAMES.items()}
-
-
-class MalformedEvent(ValueError):
-    pass
-
-
-def decode_batch(payload: bytes) -> KvEventBatch:
-    """Decode one event message; raises MalformedEvent naming what is wrong."""
-    if len(payload) > MAX_MESSAGE_BYTES:
-        raise MalformedEvent(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise MalformedEvent(f"not msgpack: {exc}") from None
-    if not isinstance(msg, dict):
-        raise MalformedEvent("message is not a map")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise MalformedEvent(f"unsupported protocol version {msg.get('v')!r}")
-    engine_id, seq, raw_events = msg.get("engine_id"), msg.get("seq"), msg.get("events")
-    if not isinstance(engine_id, str):
-        raise MalformedEvent("engine_id must be a string")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise MalformedEvent("seq must be a non-negative integer")
-    if not isinstance(raw_events, list):
-        raise MalformedEvent("events must be a list")
-    return KvEventBatch(engine_id, seq, tuple(_decode_event(e) for e in raw_events))
-
-
-def _decode_event(raw: Any) -> KVEvent:
-    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
-        raise MalformedEvent(f"unknown event {raw!r:.80}")
-    kind = _KINDS[raw[0]]
-    if kind is KVEventKind.CLEARED:
-        return KVEvent(kind)
-    if len(raw) != 2 or not isinstance(raw[1], list):
-        raise MalformedEvent(f"{raw[0]} event needs a list of hashes")
-    if not all(isinstance(h, bytes) for h in raw[1]):
-        raise MalformedEvent(f"{raw[0]} hashes must be bytes")
-    return KVEvent(kind, tuple(raw[1]))
-
-
-def encode_batch(engine_id: str, seq: int, events: list[list[Any]]) -> list[bytes]:
-    """The two-frame message a publisher sends (used by tests and benchmarks' worker doubles)."""
-    payload = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "engine_id": engine_id, "seq": seq, "events": events},
-        use_bin_type=True,
-    )
-    return [TOPIC, payload]
 
 
 class KvEventSubscriber:

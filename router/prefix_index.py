@@ -15,17 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from tandem.engine.block_pool import KVEvent, KVEventKind
 from tandem.engine.hashing import BlockHash
-
-
-@dataclass(slots=True, frozen=True)
-class KvEventBatch:
-    """One published message: ``seq`` counts messages per publisher from 0."""
-
-    engine_id: str
-    seq: int
-    events: tuple[KVEvent, ...]
+from tandem.engine.kv_events import KVEventBatch, KVEventKind
 
 
 class ApplyResult(IntEnum):
@@ -58,7 +49,7 @@ class PrefixIndex:
     def remove_worker(self, engine_id: str) -> None:
         self._workers.pop(engine_id, None)
 
-    def apply(self, engine_id: str, batch: KvEventBatch) -> ApplyResult:
+    def apply(self, engine_id: str, batch: KVEventBatch) -> ApplyResult:
         """Apply one event batch received for the worker registered as ``engine_id``."""
         w = self._workers.get(engine_id)
         if w is None:

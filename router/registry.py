@@ -9,28 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
+from tandem.engine.role import Role
 from tandem.router.errors import bad_request
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 
 
-class Role(IntEnum):
-    PREFILL = 1
-    DECODE = 2
-    COLOCATED = 3
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def parse(cls, value: object) -> Role:
-        if not isinstance(value, str) or value.upper() not in cls.__members__:
-            raise bad_request(f"role must be prefill, decode or colocated, got {value!r}", "role")
-        return cls[value.upper()]
+def _parse_role(value: object) -> Role:
+    try:
+        return Role.parse(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), "role") from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,7 +62,7 @@ class WorkerInfo:
             raise bad_request("url must be an http(s) URL", "url")
         return cls(
             engine_id=d["engine_id"],
-            role=Role.parse(d.get("role")),
+            role=_parse_role(d.get("role")),
             model=d["model"],
             url=url,
             block_size=d["block_size"],

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError, bad_request, no_workers
 from tandem.router.flow import ChoiceFailed, ChoiceJob, TokenEvent, stream_choices
 from tandem.router.metrics import RouterMetrics
 from tandem.router.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
-from tandem.router.registry import Role
 from tandem.router.sse import Kind, ResponseBuilder
 from tandem.router.state import RouterState
 

@@ -15,13 +15,14 @@ import aiohttp
 from fastapi import Request
 
 from tandem.engine.hashing import HASH_ALGORITHM
+from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError
 from tandem.router.flow import FlowConfig, FlowContext
 from tandem.router.kv_events import KvEventSubscriber
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import Placer, Policy
 from tandem.router.prefix_index import ApplyResult, PrefixIndex
-from tandem.router.registry import Role, WorkerInfo, WorkerRegistry, WorkerState
+from tandem.router.registry import WorkerInfo, WorkerRegistry, WorkerState
 from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import Timeouts, WorkerClient
 

@@ -13,18 +13,6 @@ from typing import Any
 from tandem.router.errors import bad_request
 
 
-def resolve_model_path(model: str) -> Path:
-    """``demo`` means the bundled demo weights; anything else is a local directory."""
-    if model == "demo":
-        from tandem.engine.demo import weights_path
-
-        return Path(weights_path())
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    return path
-
-
 class PromptEncoder:
     """Wraps a Hugging Face tokenizer; thread-safe for reads, so handlers share one."""
 

@@ -27,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.prefill.cli import main as prefill_main
 
         return prefill_main(rest)
-    if cmd in ("decode", "colocated"):
+    if cmd == "decode":
         from tandem.decode.cli import main as decode_main
 
-        return decode_main(rest, role=cmd)
+        return decode_main(rest)
+    if cmd == "colocated":
+        from tandem.engine.worker.colocated import main as colocated_main
+
+        return colocated_main(rest)
     if cmd == "router":
         from tandem.router.cli import main as router_main
 

@@ -83,10 +83,13 @@ def build_specs(
     decode_role = "decode" if cfg.prefill > 0 else "colocated"
     roles = ["prefill"] * cfg.prefill + [decode_role] * cfg.decode
     counters: dict[str, int] = {}
+    taken = {cfg.port}
     for role in roles:
         i = counters.get(role, 0)
         counters[role] = i + 1
-        port = next(ports)
+        # A port probed free can be the router's own (not bound yet) or one handed out already.
+        port = next(p for p in ports if p not in taken)
+        taken.add(port)
         argv = base + (
             role, "--model", cfg.model, "--host", "127.0.0.1", "--port", str(port),
             "--router-url", router_url, "--kv-transport", cfg.kv_transport,

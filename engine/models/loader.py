@@ -21,21 +21,6 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {name!r}") from None
 
 
-def resolve_model_path(model: str) -> Path:
-    """'demo' is the bundled demo model; anything else must be a local HF directory."""
-    if model == "demo":
-        from tandem.engine.demo import weights_path
-
-        return weights_path()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is not 'demo' or a local directory with config.json "
-            "(nothing is downloaded at run time)"
-        )
-    return path
-
-
 def read_hf_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 

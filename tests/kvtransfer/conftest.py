@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from kvt_helpers import SMALL, kv_cache
 
-from tandem.kvtransfer import KVLayout, create_connector
+from tandem.engine.kv_layout import KVLayout
+from tandem.kvtransfer import create_connector
 from tandem.kvtransfer.connector import ZmqKVConnector
 
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.kvtransfer import KVLayout
+from tandem.engine.kv_layout import KVLayout
 from tandem.kvtransfer.connector import ZmqKVConnector
 
 T = TypeVar("T")
@@ -19,7 +19,7 @@ SMALL = KVLayout(
 
 def kv_cache(layout: KVLayout, seed: int | None) -> torch.Tensor:
     """Random bit patterns (seeded) or zeros; random bytes catch any mis-addressed copy."""
-    from tandem.kvtransfer.types import DTYPES
+    from tandem.engine.kv_layout import DTYPES
 
     if seed is None:
         return torch.zeros(layout.shape, dtype=DTYPES[layout.dtype])

@@ -16,7 +16,9 @@ import time
 
 from kvt_helpers import SMALL, kv_cache
 
-from tandem.kvtransfer import KVLayout, KVTransferParams, create_connector
+from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_layout import KVLayout
+from tandem.kvtransfer import create_connector
 
 
 def _emit(obj: object) -> None:

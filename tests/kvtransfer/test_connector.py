@@ -11,12 +11,9 @@ import zmq
 from kvt_helpers import SMALL, Collector
 from prometheus_client import CollectorRegistry
 
-from tandem.kvtransfer import (
-    FailureReason,
-    KVLayout,
-    KVTransferParams,
-    create_kv_transfer_metrics,
-)
+from tandem.engine.kv_connector import FailureReason, KVTransferParams
+from tandem.engine.kv_layout import KVLayout
+from tandem.kvtransfer import create_kv_transfer_metrics
 from tandem.kvtransfer import protocol as p
 
 TRANSPORTS = ["tcp", "ucx"]

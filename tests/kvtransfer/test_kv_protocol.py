@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from tandem.engine.kv_layout import KVLayout
 from tandem.kvtransfer import protocol as p
-from tandem.kvtransfer.types import KVLayout
 
 LAYOUT = KVLayout(4, 2, 64, 16, "float32", 64)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.engine.kv_connector import FailureReason as R
 from tandem.kvtransfer.lease import LeaseTable, Released
-from tandem.kvtransfer.types import FailureReason as R
 
 
 def test_expires_without_renewal() -> None:

@@ -16,7 +16,9 @@ import torch
 from kvt_helpers import SMALL, Collector, kv_cache, wait_until
 from prometheus_client import CollectorRegistry
 
-from tandem.kvtransfer import FailureReason, KVLayout, KVTransferParams, create_kv_transfer_metrics
+from tandem.engine.kv_connector import FailureReason, KVTransferParams
+from tandem.engine.kv_layout import KVLayout
+from tandem.kvtransfer import create_kv_transfer_metrics
 
 PEER = Path(__file__).with_name("peer_proc.py")
 TRANSPORTS = ["tcp", "ucx"]

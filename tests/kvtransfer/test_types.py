@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kvtransfer.types import KVLayout, KVTransferParams, layout_mismatch
+from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_layout import KVLayout, layout_mismatch
 
 LAYOUT = KVLayout(4, 2, 64, 16, "float32", 64)
 GOOD = {

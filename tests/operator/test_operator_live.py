@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry
 
 from tandem import LLM, SamplingParams
 from tandem.engine.demo import expected_answer, held_out_inputs, make_user_message
+from tandem.engine.kv_connector import FailureReason
 from tandem.kvtransfer.metrics import create_kv_transfer_metrics
-from tandem.kvtransfer.types import FailureReason
 from tandem.operator.autoscaler import Decision, Pool, PoolMemory, PoolState, Reason, decide
 from tandem.operator.children import Owner, Replicas, render_children
 from tandem.operator.opmetrics import SCALING_REASONS, OperatorMetrics

@@ -12,7 +12,7 @@ import pytest
 from router_testlib import MODEL, wait_for
 
 from tandem.engine.hashing import hash_block_tokens
-from tandem.router.registry import Role
+from tandem.engine.role import Role
 
 LONG = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens, 22 blocks of 4
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from tandem.engine.block_pool import KVEvent as KvEvent
-from tandem.engine.block_pool import KVEventKind as EventKind
 from tandem.engine.hashing import hash_block_tokens
-from tandem.router.kv_events import MalformedEvent, decode_batch, encode_batch
-from tandem.router.prefix_index import (
-    ApplyResult,
-    KvEventBatch,
-    PrefixIndex,
-)
+from tandem.engine.kv_events import TOPIC, KVEventBatch, MalformedEvent, decode_batch, encode_events
+from tandem.engine.kv_events import KVEvent as KvEvent
+from tandem.engine.kv_events import KVEventKind as EventKind
+from tandem.router.prefix_index import ApplyResult, PrefixIndex
 
 H = hash_block_tokens(list(range(40)), 4)  # ten chained block hashes
 
@@ -41,13 +37,13 @@ def synced_index(capacity: int = 100) -> tuple[PrefixIndex, Clock]:
 def test_unsynced_worker_reports_no_overlap_and_ignores_events() -> None:
     idx = PrefixIndex(Clock())
     idx.add_worker("w", 10)
-    assert idx.apply("w", KvEventBatch("w", 0, (stored(H[0]),))) is ApplyResult.IGNORED
+    assert idx.apply("w", KVEventBatch("w", 0, (stored(H[0]),))) is ApplyResult.IGNORED
     assert idx.overlap("w", H[:1]) == 0
 
 
 def test_overlap_counts_leading_blocks_only() -> None:
     idx, _ = synced_index()
-    assert idx.apply("w", KvEventBatch("w", 0, (stored(H[0], H[1], H[3]),))) is ApplyResult.APPLIED
+    assert idx.apply("w", KVEventBatch("w", 0, (stored(H[0], H[1], H[3]),))) is ApplyResult.APPLIED
     assert idx.overlap("w", H) == 2
     assert idx.overlap("w", H[1:]) == 1
     assert idx.overlap("other", H) == 0
@@ -55,31 +51,31 @@ def test_overlap_counts_leading_blocks_only() -> None:
 
 def test_removed_and_cleared() -> None:
     idx, _ = synced_index()
-    idx.apply("w", KvEventBatch("w", 0, (stored(*H[:4]),)))
-    idx.apply("w", KvEventBatch("w", 1, (KvEvent(EventKind.REMOVED, (H[2],)),)))
+    idx.apply("w", KVEventBatch("w", 0, (stored(*H[:4]),)))
+    idx.apply("w", KVEventBatch("w", 1, (KvEvent(EventKind.REMOVED, (H[2],)),)))
     assert idx.overlap("w", H) == 2
-    idx.apply("w", KvEventBatch("w", 2, (KvEvent(EventKind.CLEARED),)))
+    idx.apply("w", KVEventBatch("w", 2, (KvEvent(EventKind.CLEARED),)))
     assert idx.overlap("w", H) == 0
     assert idx.is_synced("w")
 
 
 def test_sequence_gap_drops_entries_until_snapshot() -> None:
     idx, _ = synced_index()
-    idx.apply("w", KvEventBatch("w", 0, (stored(*H[:3]),)))
-    assert idx.apply("w", KvEventBatch("w", 2, (stored(H[3]),))) is ApplyResult.NEEDS_RESYNC
+    idx.apply("w", KVEventBatch("w", 0, (stored(*H[:3]),)))
+    assert idx.apply("w", KVEventBatch("w", 2, (stored(H[3]),))) is ApplyResult.NEEDS_RESYNC
     assert idx.overlap("w", H) == 0 and not idx.is_synced("w")
     assert idx.load_snapshot("w", "w", 6, H[:5])  # includes messages 0..5
     assert idx.overlap("w", H) == 5
     # Events already in the snapshot are skipped; the next one applies.
-    assert idx.apply("w", KvEventBatch("w", 5, (stored(H[9]),))) is ApplyResult.IGNORED
-    assert idx.apply("w", KvEventBatch("w", 6, (stored(H[5]),))) is ApplyResult.APPLIED
+    assert idx.apply("w", KVEventBatch("w", 5, (stored(H[9]),))) is ApplyResult.IGNORED
+    assert idx.apply("w", KVEventBatch("w", 6, (stored(H[5]),))) is ApplyResult.APPLIED
     assert idx.overlap("w", H) == 6
 
 
 def test_new_engine_id_drops_entries() -> None:
     idx, _ = synced_index()
-    idx.apply("w", KvEventBatch("w", 0, (stored(*H[:3]),)))
-    assert idx.apply("w", KvEventBatch("w2", 1, ())) is ApplyResult.NEEDS_RESYNC
+    idx.apply("w", KVEventBatch("w", 0, (stored(*H[:3]),)))
+    assert idx.apply("w", KVEventBatch("w2", 1, ())) is ApplyResult.NEEDS_RESYNC
     assert idx.overlap("w", H) == 0
     assert not idx.load_snapshot("w", "w2", 0, H)  # a snapshot from another engine is refused
     assert idx.overlap("w", H) == 0
@@ -87,7 +83,7 @@ def test_new_engine_id_drops_entries() -> None:
 
 def test_capacity_evicts_oldest() -> None:
     idx, _ = synced_index(capacity=3)
-    idx.apply("w", KvEventBatch("w", 0, (stored(*H[:5]),)))
+    idx.apply("w", KVEventBatch("w", 0, (stored(*H[:5]),)))
     assert idx.size("w") == 3
     assert idx.overlap("w", H) == 0  # the first blocks were evicted
     assert idx.overlap("w", H[2:]) == 3
@@ -95,21 +91,23 @@ def test_capacity_evicts_oldest() -> None:
 
 def test_quiet_events_fall_back_to_load_until_they_resume() -> None:
     idx, clock = synced_index()
-    idx.apply("w", KvEventBatch("w", 0, (stored(*H[:2]),)))
+    idx.apply("w", KVEventBatch("w", 0, (stored(*H[:2]),)))
     idx.mark_expecting("w")
     clock.now += 5.0
     assert idx.overlap("w", H) == 2
     clock.now += 0.1
     assert idx.overlap("w", H) == 0 and not idx.is_trusted("w")
-    idx.apply("w", KvEventBatch("w", 1, (stored(H[2]),)))
+    idx.apply("w", KVEventBatch("w", 1, (stored(H[2]),)))
     assert idx.overlap("w", H) == 3
 
 
 def test_decode_batch_roundtrip_and_rejections() -> None:
-    frames = encode_batch("e", 3, [["stored", [H[0]]], ["removed", [H[1]]], ["cleared"]])
-    assert frames[0] == b"kv"
-    batch = decode_batch(frames[1])
-    assert batch == KvEventBatch(
+    payload = encode_events(
+        "e", 3, [stored(H[0]), KvEvent(EventKind.REMOVED, (H[1],)), KvEvent(EventKind.CLEARED)]
+    )
+    assert TOPIC == b"kv"
+    batch = decode_batch(payload)
+    assert batch == KVEventBatch(
         "e", 3,
         (stored(H[0]), KvEvent(EventKind.REMOVED, (H[1],)), KvEvent(EventKind.CLEARED)),
     )  # fmt: skip

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError
-from tandem.router.registry import Heartbeat, Role, WorkerInfo, WorkerRegistry
+from tandem.router.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
 
 class Clock:

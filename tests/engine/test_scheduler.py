@@ -5,9 +5,10 @@ from __future__ import annotations
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.outputs import ModelRunnerOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import ModelRunnerOutput, Scheduler
+from tandem.engine.scheduler import Scheduler
 
 BS = 4
 

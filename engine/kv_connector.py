@@ -1,7 +1,10 @@
-"""Value types and the engine-facing interface of the KV connector.
+"""The seam between the engine and the KV connector: the types both sides speak, and the
+``KVConnector`` protocol that the prefill and decode role hooks drive.
 
-The engine owns the KV cache tensor; the connector only reads (prefill) or writes (decode) the
-blocks named in calls. See ``KVConnector`` for the call order and thread-safety contract.
+The engine core defines them and imports no transport; ``tandem.kvtransfer`` implements the
+protocol. The engine owns the KV cache tensor; the connector only reads (prefill) or writes
+(decode) the blocks named in calls. ``KVTransferParams`` travels from prefill to decode through
+the router and is validated strictly on arrival.
 """
 
 from __future__ import annotations
@@ -12,28 +15,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-import torch
-
 # Block ids and counts are bounded so a hostile dict cannot make us allocate without limit.
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 MAX_ID_LEN = 256
 _SIDE_CHANNEL_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}$")
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a torch dtype; ValueError for dtypes a KV cache never uses."""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported KV cache dtype {dtype}")
 
 
 class FailureReason(StrEnum):
@@ -52,96 +37,6 @@ class FailureReason(StrEnum):
     BAD_MESSAGE = "bad_message"
     LEASE_EXPIRED = "lease_expired"
     CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one engine's KV cache: ``[num_blocks, num_layers, 2, block_size, heads, dim]``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-    num_blocks: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * (self.element_size)
-        )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (
-            self.num_blocks,
-            self.num_layers,
-            2,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-
-    @classmethod
-    def from_kv_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-            raise ValueError(
-                f"kv_cache must be [blocks, layers, 2, block, heads, dim], got "
-                f"{tuple(kv_cache.shape)}"
-            )
-        nb, nl, _, bs, nh, hd = kv_cache.shape
-        return cls(nl, nh, hd, bs, dtype_name(kv_cache.dtype), nb)
-
-    def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """ValueError unless ``kv_cache`` has exactly this layout and is contiguous."""
-        if tuple(kv_cache.shape) != self.shape or kv_cache.dtype != DTYPES[self.dtype]:
-            raise ValueError(
-                f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match layout "
-                f"{self.shape} {self.dtype}"
-            )
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous (block-major)")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "block_size": self.block_size,
-            "dtype": self.dtype,
-            "num_blocks": self.num_blocks,
-        }
-
-
-# Fields that must agree between prefill and decode; num_blocks is each engine's own business.
-COMPATIBLE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
-
-
-def layout_mismatch(local: KVLayout, remote: KVLayout) -> str | None:
-    """None when the two layouts can exchange blocks, else a message naming every difference."""
-    diffs = [
-        f"{f} (local {getattr(local, f)!r}, remote {getattr(remote, f)!r})"
-        for f in COMPATIBLE_FIELDS
-        if getattr(local, f) != getattr(remote, f)
-    ]
-    return "KV layout mismatch: " + ", ".join(diffs) if diffs else None
 
 
 def _check_id(name: str, value: Any) -> str:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from tandem.engine.engine import Engine, EngineOutput, EngineStats
+from tandem.engine.engine import Engine
+from tandem.engine.outputs import EngineOutput, EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,10 +1,13 @@
-"""Validation of the worker's internal generate request (docs/internal-api.md). Pure."""
+"""The worker's internal wire (docs/internal-api.md): generate-request validation and the NDJSON
+stream chunks. Pure."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.outputs import EngineOutput
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 
@@ -85,3 +88,22 @@ def logprobs_to_wire(lp: TokenLogprobs) -> dict[str, Any]:
         "rank": lp.rank,
         "top": [[t, v] for t, v in lp.top],
     }
+
+
+def encode_chunk(out: EngineOutput) -> bytes:
+    """One NDJSON line of the generate stream (docs/internal-api.md)."""
+    body = {
+        "index": out.index,
+        "token_ids": out.new_token_ids,
+        "text": out.text_delta,
+        "logprobs": [logprobs_to_wire(lp) for lp in out.logprobs] if out.logprobs else None,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+        "kv_transfer_params": out.kv_transfer_params,
+        "error": {"message": out.error, "type": "server_error", "code": None}
+        if out.error
+        else None,
+    }
+    return json.dumps(body).encode() + b"\n"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from tandem.engine.block_pool import KVEvent, KVEventKind
-from tandem.engine.kv_events import encode_events
-from tandem.engine.worker_protocol import BadRequest, parse_generate_request
+from tandem.engine.kv_events import KVEvent, KVEventKind, encode_events
+from tandem.engine.worker.protocol import BadRequest, parse_generate_request
 
 
 def test_valid_request_parses() -> None:

@@ -11,24 +11,31 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.decode.hooks import DecodeHooks
+from tandem.decode.role import DecodeRole
+from tandem.engine.builder import build_engine_parts
 from tandem.engine.engine import Engine, EngineOutput
 from tandem.engine.llm import build_engine_config
-from tandem.engine.worker_app import build_requests
-from tandem.engine.worker_protocol import parse_generate_request
+from tandem.engine.worker.protocol import parse_generate_request
+from tandem.engine.worker.service import submit as submit_request
 from tandem.kvtransfer.factory import create_connector
-from tandem.kvtransfer.types import KVLayout
+from tandem.prefill.hooks import PrefillHooks
+from tandem.prefill.role import PrefillRole
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 NUM_BLOCKS = 64
 
 
-def make_engine(path: Path, role: str, transport: str, lease: float = 10.0, **opts: Any) -> Engine:
-    engine = Engine(build_engine_config(str(path), num_blocks=NUM_BLOCKS, role=role, **opts))
-    kv = engine.runner.kv_cache
-    engine.connector = create_connector(
-        transport, KVLayout.from_kv_cache(kv), kv, role, lease_seconds=lease
+def make_engine(
+    path: Path, role: str, transport: str, lease: float = 10.0, policy: str = "recompute"
+) -> Engine:
+    """An engine with the role's hooks over a real connector (``engine.hooks.connector``)."""
+    parts = build_engine_parts(build_engine_config(str(path), num_blocks=NUM_BLOCKS))
+    conn = create_connector(
+        transport, parts.layout, parts.runner.kv_cache, role, lease_seconds=lease
     )
-    return engine
+    hooks = PrefillHooks(conn) if role == "prefill" else DecodeHooks(conn, policy)
+    return Engine(parts, hooks)
 
 
 @pytest.fixture(params=["ucx", "tcp"])
@@ -36,13 +43,14 @@ def pair(request: pytest.FixtureRequest, llama_gqa_path: Path) -> Iterator[tuple
     p = make_engine(llama_gqa_path, "prefill", request.param)
     d = make_engine(llama_gqa_path, "decode", request.param)
     yield p, d
-    p.connector.close()
-    d.connector.close()
+    p.hooks.connector.close()
+    d.hooks.connector.close()
 
 
 def submit(engine: Engine, rid: str, prompt: list[int], **fields: Any) -> None:
     body = {"request_id": rid, "prompt_token_ids": prompt, "sampling_params": GREEDY, **fields}
-    build_requests(engine, parse_generate_request(body))
+    role = PrefillRole() if isinstance(engine.hooks, PrefillHooks) else DecodeRole()
+    submit_request(engine, role, parse_generate_request(body))
 
 
 def run_until(
@@ -109,13 +117,13 @@ def test_decode_pulls_only_what_its_prefix_cache_lacks(
 ) -> None:
     p, d = pair
     pulled: list[int] = []
-    start_load = d.connector.start_load
+    start_load = d.hooks.connector.start_load
 
     def spy(rid: str, params: Any, remote: list[int], local: list[int]) -> None:
         pulled.append(len(remote))
         start_load(rid, params, remote, local)
 
-    d.connector.start_load = spy  # type: ignore[method-assign]
+    d.hooks.connector.start_load = spy  # type: ignore[method-assign]
     rng = random.Random(5)
     prefix = [rng.randrange(300) for _ in range(48)]
     first = {"a": prefix + [1, 2, 3]}
@@ -138,17 +146,17 @@ def test_prefill_releases_blocks_when_decode_never_pulls(llama_gqa_path: Path) -
         assert p.pool.num_free_blocks == NUM_BLOCKS
         p.check_integrity()
     finally:
-        p.connector.close()
+        p.hooks.connector.close()
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_dead_prefill_fails_or_recomputes_and_frees(llama_gqa_path: Path, policy: str) -> None:
     p = make_engine(llama_gqa_path, "prefill", "tcp")
-    d = make_engine(llama_gqa_path, "decode", "tcp", kv_load_failure_policy=policy)
+    d = make_engine(llama_gqa_path, "decode", "tcp", policy=policy)
     try:
         prompts = prompts_of(2, (33,))
         first = prefill(p, prompts)["r0"]
-        p.connector.close()  # the prefill worker dies before decode pulls
+        p.hooks.connector.close()  # the prefill worker dies before decode pulls
         submit(d, "r0", prompts["r0"], kv_transfer_params=first.kv_transfer_params)
         outs: list[EngineOutput] = []
         run_until([d], lambda: not d.has_unfinished, outs.append)
@@ -161,7 +169,7 @@ def test_dead_prefill_fails_or_recomputes_and_frees(llama_gqa_path: Path, policy
         assert d.pool.num_free_blocks == NUM_BLOCKS
         d.check_integrity()
     finally:
-        d.connector.close()
+        d.hooks.connector.close()
 
 
 def test_abort_on_either_side_restores_both_pools(pair: tuple[Engine, Engine]) -> None:
@@ -214,4 +222,4 @@ def test_two_prefill_two_decode_crossing_traffic(llama_gqa_path: Path) -> None:
             e.check_integrity()
     finally:
         for e in ps + ds:
-            e.connector.close()
+            e.hooks.connector.close()

@@ -17,7 +17,7 @@ def test_triton_backend_matches_torch_backend_on_the_demo_model() -> None:
     expected = torch_llm.generate(ids, params)
     # Budget 8: prefill runs in chunks, mixed with decodes (extend kernel), then decode kernel.
     triton_llm = LLM("demo", num_blocks=32, attention_backend="triton", max_num_batched_tokens=8)
-    assert triton_llm.engine.backend.name == "triton"
+    assert triton_llm.engine.runner.backend.name == "triton"
     got = triton_llm.generate(ids, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     triton_llm.engine.check_integrity()

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.engine.engine import EngineStats
+from tandem.engine.outputs import EngineStats
 
 
 class EngineCollector(Collector):

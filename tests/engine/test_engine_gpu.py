@@ -26,7 +26,7 @@ def test_cuda_graphs_and_eager_match_the_cpu_engine(llama_gqa_path: Path) -> Non
     cpu = LLM(str(llama_gqa_path), num_blocks=128).generate(prompts(), GREEDY)
     for eager in (True, False):
         gpu = LLM(str(llama_gqa_path), num_blocks=128, device="cuda", enforce_eager=eager)
-        assert gpu.engine.backend.name == "triton"
+        assert gpu.engine.runner.backend.name == "triton"
         assert (gpu.engine.runner.graphs is None) == eager
         outs = gpu.generate(prompts(), GREEDY)
         assert [o.token_ids for o in outs] == [o.token_ids for o in cpu]

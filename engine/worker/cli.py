@@ -1,4 +1,8 @@
-"""`tandem prefill|decode|colocated`: run one worker process."""
+"""The worker command line shared by every role: flags, engine options, serving.
+
+``tandem prefill|decode|colocated`` are ``tandem.prefill.cli`` / ``tandem.decode.cli``: each
+builds this parser (adding its own flags), makes its ``WorkerRole`` and calls ``serve``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ import logging
 import os
 from typing import Any
 
-from tandem.engine.config import Role
 from tandem.engine.llm import build_engine_config
+from tandem.engine.role import Role
+from tandem.engine.worker.role import WorkerRole
 
 
 def _engine_option(text: str) -> tuple[str, Any]:
@@ -58,40 +63,35 @@ def parser(role: Role) -> argparse.ArgumentParser:
     return p
 
 
-def main(role_name: str, argv: list[str]) -> int:
-    role = Role.parse(role_name)
-    args = parser(role).parse_args(argv)
+def serve(args: argparse.Namespace, role: WorkerRole) -> int:
+    """Run the worker of ``role`` with the parsed shared flags until it is stopped."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     import uvicorn
 
-    from tandem.engine.worker_app import WorkerConfig, create_app
+    from tandem.engine.worker.app import create_app
+    from tandem.engine.worker.service import WorkerConfig
 
-    options = dict(args.engine_option)
-    options.setdefault("role", role)
     try:
         engine_config = build_engine_config(
             args.model,
             dtype=args.dtype,
             device=args.device,
             served_model_name=args.served_model_name or args.model,
-            **options,
+            **dict(args.engine_option),
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"invalid engine option: {exc}") from None
     config = WorkerConfig(
         engine=engine_config,
-        role=role,
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
         router_url=args.router_url,
-        kv_transport=args.kv_transport,
-        kv_lease_seconds=args.kv_lease_seconds,
     )
     uvicorn.run(
-        create_app(config),
+        create_app(config, role),
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),

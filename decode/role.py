@@ -1,0 +1,59 @@
+"""DecodeRole: what a decode worker brings to the worker shell (see engine/worker/role.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.decode.hooks import DecodeHooks, LoadFailurePolicy
+from tandem.decode.intake import attach_remote_kv
+from tandem.engine.builder import EngineParts
+from tandem.engine.engine import Engine
+from tandem.engine.hooks import RoleHooks
+from tandem.engine.request import Request
+from tandem.engine.role import Role
+from tandem.engine.worker.protocol import GenerateRequest
+from tandem.engine.worker.role import RoleContext, refuse_role_fields
+from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
+from tandem.kvtransfer.connector import ZmqKVConnector
+
+
+class DecodeRole:
+    role = Role.DECODE
+
+    def __init__(
+        self,
+        kv_transport: str = "ucx",
+        kv_lease_seconds: float = 10.0,
+        load_failure_policy: LoadFailurePolicy | str = LoadFailurePolicy.RECOMPUTE,
+    ) -> None:
+        self.kv_transport = kv_transport
+        self.kv_lease_seconds = kv_lease_seconds
+        self.load_failure_policy = LoadFailurePolicy.parse(load_failure_policy)
+        self.connector: ZmqKVConnector | None = None
+
+    def attach(self, parts: EngineParts, ctx: RoleContext) -> RoleHooks:
+        metrics = create_kv_transfer_metrics(ctx.registry, ctx.model_name, self.role.label)
+        self.connector = create_connector(
+            self.kv_transport,
+            parts.layout,
+            parts.runner.kv_cache,
+            self.role,
+            host=ctx.host,
+            advertise_host=ctx.advertise_host,
+            lease_seconds=self.kv_lease_seconds,
+            metrics=metrics,
+            engine_id=ctx.engine_id,
+        )
+        return DecodeHooks(self.connector, self.load_failure_policy)
+
+    def intake(self, engine: Engine, reqs: list[Request], req: GenerateRequest) -> None:
+        refuse_role_fields(req, self.role)
+        if req.kv_transfer_params is not None:
+            attach_remote_kv(engine, reqs, req.kv_transfer_params)
+
+    def info(self) -> dict[str, Any]:
+        return {"kv_side_channel": None}
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()

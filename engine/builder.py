@@ -1,0 +1,132 @@
+"""Engine start-up: load the model and tokenizer, size the KV cache, build pool, scheduler and
+runner. Called once per process (by ``Engine`` or, for workers, by the worker shell on a thread,
+so the role can build its connector over the KV cache before the engine exists).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.engine.attention import get_backend
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_layout import KVLayout, dtype_name
+from tandem.engine.model_path import resolve_model_path
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.models.llama import ModelArchConfig
+from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
+from tandem.engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything an Engine runs on; owned by the Engine once it is built from them."""
+
+    config: EngineConfig
+    model_path: Path
+    hf_config: dict[str, Any]
+    arch: ModelArchConfig
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    layout: KVLayout
+    pool: BlockPool
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, hf_config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json, then config.json, then the tokenizer."""
+    gen = path / "generation_config.json"
+    value = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if value is None:
+        value = hf_config.get("eos_token_id")
+    if value is None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        return frozenset()
+    return frozenset(value if isinstance(value, list) else [value])
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Load and size everything; ValueError naming the problem (bad model, too small a cache)."""
+    model_path = resolve_model_path(config.model)
+    hf_config = read_hf_config(model_path)
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    dtype = parse_dtype(config.dtype)
+    backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    backend = get_backend(backend_name)
+    model = load_model(model_path, dtype, config.device, use_kernels=device.type == "cuda")
+    arch = model.cfg
+    tokenizer = load_tokenizer(model_path)
+    max_model_len = min(
+        config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+    )
+    cache = config.cache
+    bs = cache.block_size
+    one = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype_name(dtype), 1)
+    num_blocks = cache.num_blocks or max(1, _kv_budget(cache, device) // one.block_bytes)
+    if num_blocks * bs < max_model_len:
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of "
+            f"max_model_len={max_model_len}; raise num_blocks or lower max_model_len"
+        )
+    layout = one.with_num_blocks(num_blocks)
+    pool = BlockPool(num_blocks, enable_caching=cache.enable_prefix_caching)
+    kv = KVCacheManager(pool, bs, cache.enable_prefix_caching)
+    sched_cfg = config.scheduler
+    if sched_cfg.max_model_len != max_model_len:
+        sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    runner = ModelRunner(model, backend, layout, device)
+    if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
+        _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
+    return EngineParts(
+        config=config,
+        model_path=model_path,
+        hf_config=hf_config,
+        arch=arch,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(model_path, hf_config, tokenizer),
+        max_model_len=max_model_len,
+        layout=layout,
+        pool=pool,
+        kv=kv,
+        scheduler=Scheduler(sched_cfg, kv),
+        runner=runner,
+    )
+
+
+def _kv_budget(cache: CacheConfig, device: torch.device) -> int:
+    if device.type != "cuda":
+        return cache.kv_cache_memory_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    # Leave room for activations and CUDA graphs: 5% of the card beyond what is used now.
+    budget = int(total * cache.gpu_memory_utilization) - (total - free) - int(0.05 * total)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization="
+            f"{cache.gpu_memory_utilization}"
+        )
+    return budget
+
+
+def _capture_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+    from tandem.engine.model_runner import DecodeGraphs
+
+    graphs = DecodeGraphs(runner, min(max_num_seqs, 256), max_model_len)
+    graphs.capture()
+    runner.graphs = graphs

@@ -1,0 +1,83 @@
+"""The values that flow through one engine step (DEVELOPERS.md: state flows through arguments):
+
+Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput
+-> Scheduler.update() -> Engine -> EngineOutput (one per request that changed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
+    from tandem.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # The chunk reaches the last known token, so its last position's logits are sampled.
+    sample: bool
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """A request whose prompt KV comes from elsewhere: fill ``local_block_ids[i]`` with the
+    source's ``remote_block_ids[i]``. Made by the scheduler on admission; the role hooks start
+    the transfer. The scheduler owns the local blocks until ``Scheduler.finish_load``."""
+
+    request: Request
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    # KV loads admitted this step, for the role hooks to start (decode role).
+    loads: list[LoadSpec] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one request produced in one step (a delta), or its end."""
+
+    request_id: str
+    group_id: str
+    index: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Prefill role: where the decode worker pulls this request's KV from (wire dict).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
