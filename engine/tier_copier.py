@@ -23,7 +23,7 @@ from enum import StrEnum
 
 import torch
 
-from tandem.engine.kv_checksum import block_checksums
+from tandem.engine.kv_checksum import block_checksums, cache_checksums
 from tandem.engine.kv_tier import BlockCopy, TierOps
 
 
@@ -46,7 +46,7 @@ class HostLoadResult:
 class _InFlight:
     request_id: str
     host_blocks: list[int]
-    ok: torch.Tensor | None  # one bool per checked copy, on the device
+    ok: torch.Tensor | None  # one bool per checked copy, in host memory once ``event`` is done
     refused: list[int]  # host blocks refused before copying (tag mismatch)
     event: torch.cuda.Event | None
 
@@ -113,14 +113,14 @@ class TierCopier:
         return len(self._in_flight)
 
     def _offload(self, copies: list[BlockCopy]) -> None:
-        src = torch.tensor([c.device_block for c in copies], device=self.device)
-        dst = [c.host_block for c in copies]
-        self.sums[torch.tensor(dst, device=self.device)] = block_checksums(
-            self.kv_cache.index_select(0, src)
-        )
+        src = [c.device_block for c in copies]
+        dst = torch.tensor([c.host_block for c in copies])
         if self._stream is None:
-            self.host[torch.tensor(dst)] = self.kv_cache.index_select(0, src)
+            blocks = self.kv_cache[torch.tensor(src)]
+            self.sums[dst] = block_checksums(blocks)
+            self.host[dst] = blocks
         else:
+            self.sums[dst.to(self.device)] = cache_checksums(self.kv_cache, src)
             for c in copies:
                 self.host[c.host_block].copy_(self.kv_cache[c.device_block], non_blocking=True)
         for c in copies:
@@ -130,20 +130,27 @@ class TierCopier:
         refused = [c.host_block for c in copies if self.tags[c.host_block] != c.tag]
         self.failures[IntegrityFailure.TAG] += len(refused)
         good = [c for c in copies if self.tags[c.host_block] == c.tag]
+        hosts = [c.host_block for c in good]
         ok = None
         if good:
-            dst = torch.tensor([c.device_block for c in good], device=self.device)
-            hosts = [c.host_block for c in good]
+            dst = [c.device_block for c in good]
             if self._stream is None:
-                self.kv_cache[dst] = self.host[torch.tensor(hosts)]
+                self.kv_cache[torch.tensor(dst)] = self.host[torch.tensor(hosts)]
             else:
                 for c in good:
                     self.kv_cache[c.device_block].copy_(self.host[c.host_block], non_blocking=True)
-            got = block_checksums(self.kv_cache.index_select(0, dst))
-            ok = got == self.sums[torch.tensor(hosts, device=self.device)]
+            expected = self.sums[torch.tensor(hosts, device=self.device)]
+            ok = cache_checksums(self.kv_cache, dst) == expected
+            if self._stream is not None:  # read by poll() without touching the compute stream
+                ok = _to_pinned(ok)
         event = None
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
-        hosts_checked = [c.host_block for c in good]
-        self._in_flight.append(_InFlight(request_id, hosts_checked, ok, refused, event))
+        self._in_flight.append(_InFlight(request_id, hosts, ok, refused, event))
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
