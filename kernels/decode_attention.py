@@ -27,12 +27,13 @@ from tandem.kernels.launch import (
 )
 from tandem.kernels.paged_kv import (
     NEG_BIG,
-    attention_ref,
     dot_precision,
-    gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
 )
+from tandem.kernels.refs import paged_decode_attention_ref
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref"]
 
 LOG2E = math.log2(math.e)
 
@@ -301,23 +302,4 @@ def paged_decode_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
-    return out
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """PyTorch reference of :func:`paged_decode_attention` (gathers each sequence's KV)."""
-    out = torch.zeros_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
-        pos = torch.tensor([seq_len - 1], device=q.device)
-        out[i] = attention_ref(q[i : i + 1], k, v, pos, scale)[0].to(q.dtype)
     return out

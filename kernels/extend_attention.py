@@ -30,12 +30,13 @@ from tandem.kernels.launch import (
 )
 from tandem.kernels.paged_kv import (
     NEG_BIG,
-    attention_ref,
     dot_precision,
-    gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
 )
+from tandem.kernels.refs import paged_extend_attention_ref
+
+__all__ = ["paged_extend_attention", "paged_extend_attention_ref"]
 
 LOG2E = math.log2(math.e)
 
@@ -246,26 +247,4 @@ def paged_extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
     )
-    return out
-
-
-def paged_extend_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """PyTorch reference of :func:`paged_extend_attention`; rows past the last query are zero."""
-    out = torch.zeros_like(q)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
-        k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
-        pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale).to(q.dtype)
     return out
