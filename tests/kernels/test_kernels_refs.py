@@ -1,5 +1,7 @@
-"""The single PyTorch references: importable without triton, and re-exported (not redefined) by
-the kernel modules."""
+"""The single PyTorch references: importable without triton, re-exported (not redefined) by the
+kernel modules, and the model's CPU path (FusedOps without kernels) built on them, bit for bit
+equal to transformers in bf16. The torch attention backend, which writes and gathers KV with them,
+is held to the attention references in test_kernels_triton_backend.py."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import tandem.kernels as kernels
+from tandem.engine.models.llama import FusedOps
 from tandem.kernels import refs
+from tandem.kernels.rope_cache import compute_cos_sin_cache
 
 # Each Triton module and the reference it re-exports.
 REEXPORTS = {
@@ -55,3 +60,36 @@ def test_kv_cache_write_ref_with_and_without_padding() -> None:
                 expected_k[slot // 4, slot % 4], expected_v[slot // 4, slot % 4] = k[t], v[t]
         refs.kv_cache_write_ref(k, v, k_cache, v_cache, torch.tensor(slots))
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_cpu_fused_ops_match_transformers_bit_for_bit_in_bf16() -> None:
+    """The CPU path rounds as Hugging Face does in 16-bit dtypes (compute_dtype=x.dtype)."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gen = torch.Generator().manual_seed(4)
+    dtype, t, hidden, head_dim = torch.bfloat16, 5, 96, 64
+    ops = FusedOps(use_kernels=False)
+
+    norm = llama.LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand((hidden,), generator=gen) + 0.5)
+    x = torch.randn((t, hidden), generator=gen).to(dtype)
+    residual = torch.randn((t, hidden), generator=gen).to(dtype)
+    with torch.no_grad():
+        out, new_residual = ops.rms_norm(x, norm.weight, 1e-6, residual)
+        assert new_residual is not None and torch.equal(new_residual, residual + x)
+        assert torch.equal(out, norm(residual + x))
+
+    gate_up = (torch.randn((t, 2 * hidden), generator=gen) * 4).to(dtype)
+    gate, up = gate_up[:, :hidden], gate_up[:, hidden:]
+    assert torch.equal(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+    cache = compute_cos_sin_cache(head_dim, 10000.0, 64)
+    positions = torch.tensor([0, 3, 63, 17, 1])
+    q = torch.randn((t, 4, head_dim), generator=gen).to(dtype)
+    k = torch.randn((t, 2, head_dim), generator=gen).to(dtype)
+    half = head_dim // 2
+    cos = cache[positions, :half].repeat(1, 2).to(dtype)  # HF's [T, D] cos, cast to the dtype
+    sin = cache[positions, half:].repeat(1, 2).to(dtype)
+    hf_q, hf_k = llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    got_q, got_k = ops.rotary(positions, q.clone(), k.clone(), cache)
+    assert torch.equal(got_q, hf_q) and torch.equal(got_k, hf_k)
