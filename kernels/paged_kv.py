@@ -9,6 +9,8 @@ span several blocks (block_size < BLOCK_N) or part of one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +18,8 @@ import triton.language as tl
 # Finite start for running maxima: a fully masked row then gives exp2(-inf - NEG_BIG) = 0, never
 # the NaN that exp2(-inf - -inf) would produce.
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+# The kernels work in the log2 domain (exp2 is cheaper than exp): scores are scaled by LOG2E.
+LOG2E = math.log2(math.e)
 
 
 @triton.jit

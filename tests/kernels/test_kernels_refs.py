@@ -32,7 +32,7 @@ REEXPORTS = {
 def test_refs_and_cpu_path_import_without_triton(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # any import of triton now fails
-        "import tandem.kernels.refs, tandem.kernels.rope_cache\n"
+        "import tandem.kernels.refs, tandem.kernels.rope_cache, tandem.kernels.paged_args\n"
         "from tandem.kernels import rms_norm_ref, kv_cache_write_ref\n"
         "import tandem.engine.models.llama\n"
         "from tandem.engine.attention import get_backend\n"
