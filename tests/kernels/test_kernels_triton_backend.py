@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.attention.backend import AttentionMetadata, get_backend
+from tandem.engine.attention import AttentionMetadata, get_backend
 from tandem.kernels.decode_attention import paged_decode_attention_ref
 from tandem.kernels.extend_attention import paged_extend_attention_ref
 
