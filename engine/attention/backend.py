@@ -15,7 +15,7 @@ A token's slot is ``block_id * block_size + offset``; slot -1 marks padding and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -69,14 +69,12 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """Resolve a backend by name: 'torch' (CPU and reference) or 'triton' (CUDA or interpreter)."""
-    if name == "torch":
-        from tandem.engine.attention.torch_backend import TorchAttentionBackend
+def __getattr__(name: str) -> Any:
+    # get_backend moved to tandem.engine.attention.registry (re-exported by the package). This lazy
+    # alias keeps ``from tandem.engine.attention.backend import get_backend`` (engine.py) working
+    # without this interface module importing the implementations; drop it once no caller uses it.
+    if name == "get_backend":
+        from tandem.engine.attention.registry import get_backend
 
-        return TorchAttentionBackend()
-    if name == "triton":
-        from tandem.engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+        return get_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
