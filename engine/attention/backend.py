@@ -15,7 +15,7 @@ A token's slot is ``block_id * block_size + offset``; slot -1 marks padding and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -67,14 +67,3 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, heads, head_dim]."""
         ...
-
-
-def __getattr__(name: str) -> Any:
-    # get_backend moved to tandem.engine.attention.registry (re-exported by the package). This lazy
-    # alias keeps ``from tandem.engine.attention.backend import get_backend`` (engine.py) working
-    # without this interface module importing the implementations; drop it once no caller uses it.
-    if name == "get_backend":
-        from tandem.engine.attention.registry import get_backend
-
-        return get_backend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

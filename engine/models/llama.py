@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tandem.engine.attention.backend import AttentionBackend, AttentionMetadata
-from tandem.engine.models.rotary import cos_sin_cache
 from tandem.kernels.refs import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from tandem.kernels.rope_cache import compute_cos_sin_cache as cos_sin_cache
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
