@@ -132,15 +132,17 @@ class KVCacheManager:
         request: Request,
         computed_blocks: list[KVCacheBlock],
         host_blocks: list[HostBlock],
+        num_next_tokens: int,
     ) -> bool:
         """Admit a request whose prefix is ``computed_blocks`` on the device, then
-        ``host_blocks``: allocate device blocks for the host part and queue their load.
-        False, changing nothing, when the pool cannot supply the blocks."""
+        ``host_blocks``: allocate device blocks for the host part and queue their load, plus
+        room for the ``num_next_tokens`` it computes once loaded (as an admission without the
+        tier reserves its first chunk). False, changing nothing, when the pool lacks blocks."""
         assert self.tier is not None
         num_hit = len(computed_blocks) * self.block_size
         num_host = len(host_blocks) * self.block_size
         self.tier.host.acquire(host_blocks)  # before allocating: offloads must not evict them
-        if not self.allocate_slots(request, num_host, computed_blocks, num_hit):
+        if not self.allocate_slots(request, num_host + num_next_tokens, computed_blocks, num_hit):
             self.tier.host.release(host_blocks)
             return False
         first = len(computed_blocks)
@@ -169,9 +171,10 @@ class KVCacheManager:
     def is_swapped(self, request: Request) -> bool:
         return self.tier is not None and self.tier.swap_record(request.request_id) is not None
 
-    def resume_swapped(self, request: Request) -> bool:
+    def resume_swapped(self, request: Request, max_next_tokens: int) -> bool:
         """Admit a swapped-out request: blocks still cached on the device are reused, the rest
-        load back from its swap record. False, changing nothing, when the pool lacks blocks."""
+        load back from its swap record; room is reserved for the next tokens it computes (at
+        most ``max_next_tokens``). False, changing nothing, when the pool lacks blocks."""
         assert self.tier is not None
         record = self.tier.swap_record(request.request_id)
         assert record is not None
@@ -179,13 +182,14 @@ class KVCacheManager:
         hits, _ = self.get_computed_blocks(request)
         hits = hits[: computed // self.block_size]
         num_hit = len(hits) * self.block_size
-        if not self.allocate_slots(request, computed - num_hit, hits, num_hit):
+        num_next = min(request.num_tokens - computed, max_next_tokens)
+        if not self.allocate_slots(request, computed - num_hit + num_next, hits, num_hit):
             return False
         self.tier.take_swap(request.request_id)
-        first = len(hits)
+        first, num = len(hits), len(record.blocks)
         self.tier.host.release(record.blocks[:first])  # the device still had these
         self.tier.start_load(
-            request.request_id, record.blocks[first:], request.block_ids[first:],
+            request.request_id, record.blocks[first:], request.block_ids[first:num],
             record.tags[first:], computed, swap=True,
         )  # fmt: skip
         return True

@@ -95,7 +95,7 @@ class Scheduler:
             if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
             if self.kv.is_swapped(req):
-                if not self.kv.resume_swapped(req):
+                if not self.kv.resume_swapped(req, max(budget, 1)):
                     break
                 self._wait_for_host(req)
                 admitted.append(req)
@@ -112,7 +112,8 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             host_hits = self.kv.get_host_hits(req, len(hits))
             if host_hits:
-                if not self.kv.load_from_host(req, hits, host_hits):
+                rest = req.num_tokens - num_hit - len(host_hits) * self.kv.block_size
+                if not self.kv.load_from_host(req, hits, host_hits, min(rest, budget)):
                     break
                 self._wait_for_host(req)
                 admitted.append(req)

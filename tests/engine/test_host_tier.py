@@ -136,7 +136,7 @@ def test_load_from_host_allocates_device_blocks_and_queues_exact_copies() -> Non
     hits, _ = kv.get_computed_blocks(req)
     host = kv.get_host_hits(req, len(hits))
     assert hits == [] and [b.block_id for b in host] == [1, 0]
-    assert kv.load_from_host(req, hits, host)
+    assert kv.load_from_host(req, hits, host, 0)
     ops = kv.tier.take_ops()
     # Allocation evicted the filler's two cached blocks (offloaded), then loads into them.
     assert [(c.device_block, c.host_block) for c in ops.offloads] == [(0, 2), (1, 3)]
@@ -168,7 +168,7 @@ def test_load_from_host_changes_nothing_when_the_device_is_full() -> None:
     req = make_request("b", list(range(8)) + [5])
     host = kv.get_host_hits(req, 0)
     assert len(host) == 2
-    assert not kv.load_from_host(req, [], host)
+    assert not kv.load_from_host(req, [], host, 0)
     assert kv.tier.take_ops().is_empty and req.block_ids == []
     assert all(b.ref_cnt == 0 for b in kv.tier.host.blocks)
     kv.check_integrity()
@@ -191,7 +191,7 @@ def test_swap_out_keeps_every_computed_block_and_resume_reuses_device_leftovers(
     assert req.block_ids == [] and kv.is_swapped(req) and kv.pool.num_free_blocks == 8
     kv.check_integrity()
     # The two full blocks are still cached on the device: only the tail loads back.
-    assert kv.resume_swapped(req)
+    assert kv.resume_swapped(req, 0)
     (load,) = kv.tier.take_ops().loads
     assert req.block_ids[:2] == table[:2]
     assert [(c.host_block, c.device_block) for c in load.copies] == [(2, req.block_ids[2])]
@@ -229,3 +229,24 @@ def test_swap_reuses_host_copies_it_already_has_and_free_discards_the_record() -
     assert kv.tier.host.num_free_blocks == 3 and kv.tier.num_swapped == 0
     # The hashed copies stay cached for others; the tail was anonymous.
     assert kv.tier.host.num_cached == 2
+
+
+def test_a_host_load_reserves_room_for_the_tokens_computed_after_it() -> None:
+    kv = manager(device_blocks=3, host_blocks=4)
+    assert kv.tier is not None
+    base = make_request("a", list(range(8)))
+    compute(kv, base)
+    kv.free(base)
+    filler = make_request("f", list(range(50, 62)))
+    compute(kv, filler)  # 3 blocks: a's two go to the host tier
+    kv.free(filler)
+    kv.tier.take_ops()
+    req = make_request("b", list(range(8)) + [1, 2, 3])  # 2 host blocks, then 3 tokens
+    host = kv.get_host_hits(req, 0)
+    assert len(host) == 2
+    assert kv.load_from_host(req, [], host, 3)
+    assert len(req.block_ids) == 3  # the third is for tokens 8..10, computed after the load
+    (load,) = kv.tier.take_ops().loads
+    assert [c.device_block for c in load.copies] == req.block_ids[:2]
+    assert load.num_computed_tokens == 8
+    kv.check_integrity()

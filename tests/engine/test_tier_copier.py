@@ -94,3 +94,14 @@ def test_a_host_block_holding_something_else_is_refused_without_copying() -> Non
     (res,) = copier.poll()
     assert res.bad_host_blocks == (0,) and torch.equal(kv[3], before)
     assert copier.failures[IntegrityFailure.TAG] == 1
+
+
+def test_checksum_is_the_exact_integer_weighted_sum_across_segments() -> None:
+    from tandem.engine.kv_checksum import _weight
+
+    g = torch.Generator().manual_seed(1)
+    # Past one float64 segment (2**20 elements), with extreme values: still exact.
+    x = torch.randint(-32768, 32768, (2, (1 << 20) + 5), dtype=torch.int16, generator=g)
+    x[0, :1000] = -32768
+    w = _weight(x.shape[1], x.device).to(torch.int64)
+    assert torch.equal(block_checksums(x.view(torch.float16)), (x.to(torch.int64) * w).sum(1))
