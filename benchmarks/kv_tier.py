@@ -150,8 +150,11 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     }
 
 
-def workload_blocks(wl: Workload, reply: int, block: int = 16) -> int:
-    """Blocks every session's final context needs: what a pool with no eviction would hold."""
+def workload_blocks(wl: Workload, reply: int, block: int, no_reuse: bool) -> int:
+    """Blocks a pool that never evicts would hold: every session's final context (or, without
+    reuse, every turn's own)."""
+    if no_reuse:
+        return sum(-(-(len(m) + reply) // block) for turns in wl.messages for m in turns)
     return sum(-(-sum(len(m) + reply for m in turns) // block) for turns in wl.messages)
 
 
@@ -209,7 +212,7 @@ def main() -> int:
     base = {"num_blocks": args.num_blocks, "max_model_len": args.max_model_len}
     probe = build_engine_parts(build_engine_config(model, **base))
     wl = make_workload(args, probe.arch.vocab_size)
-    need = workload_blocks(wl, args.reply_tokens, probe.layout.block_size)
+    need = workload_blocks(wl, args.reply_tokens, probe.layout.block_size, args.no_reuse)
     block_bytes = probe.layout.block_bytes
     del probe
     offload = int(args.offload_mib * 2**20) if args.offload_mib else (need + 64) * block_bytes

@@ -36,6 +36,7 @@ class HostBlockPool:
         # Insertion order is eviction order: the head goes first.
         self._free: OrderedDict[int, HostBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, HostBlock] = {}
+        self._num_empty = num_blocks  # free blocks without a hash (kept for O(1) usage)
         self.num_evicted = 0
 
     @property
@@ -50,8 +51,7 @@ class HostBlockPool:
     @property
     def usage(self) -> float:
         """Fraction of host blocks holding data (cached or referenced)."""
-        empty = sum(1 for b in self._free.values() if b.block_hash is None)
-        return 1.0 - empty / self.num_blocks
+        return 1.0 - self._num_empty / self.num_blocks
 
     def lookup(self, block_hash: BlockHash) -> HostBlock | None:
         return self._cached.get(block_hash)
@@ -67,6 +67,8 @@ class HostBlockPool:
             if block.block_hash is not None:
                 self.num_evicted += 1
                 self._drop_hash(block)
+            else:
+                self._num_empty -= 1
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -87,6 +89,8 @@ class HostBlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                if block.block_hash is None:
+                    self._num_empty -= 1
             block.ref_cnt += 1
 
     def release(self, blocks: list[HostBlock]) -> None:
@@ -100,12 +104,16 @@ class HostBlockPool:
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
+                    self._num_empty += 1
 
     def invalidate(self, block: HostBlock) -> None:
         """Forget the block's hash (its bytes failed a check): it is never matched again."""
+        if block.block_hash is None:
+            return
         self._drop_hash(block)
         if block.ref_cnt == 0:
             self._free.move_to_end(block.block_id, last=False)
+            self._num_empty += 1
 
     def _drop_hash(self, block: HostBlock) -> None:
         if block.block_hash is not None:
@@ -127,3 +135,6 @@ class HostBlockPool:
         for h, block in self._cached.items():
             if block.block_hash != h:
                 raise AssertionError(f"host hash map entry for block {block.block_id} is stale")
+        empty = sum(1 for b in self._free.values() if b.block_hash is None)
+        if empty != self._num_empty:
+            raise AssertionError(f"{empty} empty free host blocks, counted {self._num_empty}")

@@ -43,6 +43,7 @@ def test_host_pool_reuses_empty_blocks_before_evicting_cached_ones_lru_first() -
     pool.register(a, h[0])
     pool.register(b, h[1])
     pool.release([a, b])  # both cached; block 2 never used
+    assert pool.usage == pytest.approx(2 / 3)
     (c,) = pool.allocate(1) or []
     assert c.block_id == 2 and pool.lookup(h[0]) is a  # the empty one first
     pool.release([c])  # hash-less: back to the head
@@ -72,7 +73,8 @@ def test_invalidated_block_is_never_matched_and_reused_first() -> None:
     pool.register(b, h[1])
     pool.release([a, b])
     pool.invalidate(b)
-    assert pool.lookup(h[1]) is None and pool.num_cached == 1
+    assert pool.lookup(h[1]) is None and pool.num_cached == 1 and pool.usage == 0.5
+    pool.check_integrity()
     assert (pool.allocate(1) or [])[0] is b
     pool.check_integrity()
 
