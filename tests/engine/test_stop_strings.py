@@ -19,9 +19,7 @@ def brute_first_match(text: str, stops: list[str]) -> tuple[int, str] | None:
 
 
 def brute_holdback(text: str, stops: list[str]) -> int:
-    return max(
-        (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-    )
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 def feed_split(m: StopMatcher, text: str, cuts: list[int]) -> tuple[int, str] | None:
