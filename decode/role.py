@@ -43,6 +43,7 @@ class DecodeRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)
 

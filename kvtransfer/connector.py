@@ -22,6 +22,7 @@ import zmq.asyncio
 from tandem.engine.kv_connector import KVTransferParams, LoadResult
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.role import Role
+from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.context import ConnectorContext
 from tandem.kvtransfer.decode_side import DecodeSide
 from tandem.kvtransfer.metrics import KVTransferMetrics
@@ -57,6 +58,7 @@ class ZmqKVConnector:
         handshake_timeout: float,
         advertise_host: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth: FrameAuth | None = None,
     ) -> None:
         layout.check_kv_cache(kv_cache)
         if (send is not None) != (role != Role.DECODE) or (recv is not None) != (
@@ -80,7 +82,10 @@ class ZmqKVConnector:
             transfer_timeout=transfer_timeout,
             handshake_timeout=handshake_timeout,
             clock=clock,
+            auth=auth or FrameAuth(None),
         )
+        if recv is not None:
+            recv.on_dropped = self._ctx.count_failure
         self._prefill = PrefillSide(self._ctx, send, lease_seconds) if send else None
         self._decode = DecodeSide(self._ctx, recv) if recv else None
         self._transport = (send or recv).name  # type: ignore[union-attr]

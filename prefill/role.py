@@ -36,6 +36,7 @@ class PrefillRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
         )
         return PrefillHooks(self.connector)
 
