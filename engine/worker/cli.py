@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
 from tandem.engine.llm import build_engine_config
 from tandem.engine.role import Role
 from tandem.engine.worker.role import WorkerRole
@@ -47,6 +48,10 @@ def parser(role: Role) -> argparse.ArgumentParser:
         "(default $TANDEM_ADVERTISE_HOST, else --host)",
     )
     p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
+    p.add_argument(
+        "--cluster-token-file", default=None, metavar="PATH",
+        help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}); never pass the token itself",
+    )  # fmt: skip
     p.add_argument("--kv-transport", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--kv-lease-seconds", type=float, default=10.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -68,6 +73,10 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        token = ClusterToken.require(args.cluster_token_file)
+    except ValueError as exc:  # TokenError: missing, unreadable or malformed
+        raise SystemExit(f"tandem {role.role.label}: {exc}") from None
     import uvicorn
 
     from tandem.engine.worker.app import create_app
@@ -89,6 +98,7 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         port=args.port,
         advertise_host=args.advertise_host,
         router_url=args.router_url,
+        cluster_token=token,
     )
     uvicorn.run(
         create_app(config, role),
