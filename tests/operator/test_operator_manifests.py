@@ -15,7 +15,7 @@ import pytest
 import yaml
 from dashboard import dashboard_exprs, dashboard_panels, dashboard_queries
 
-from tandem.operator.children import POOL_LABEL, SERVICE_LABEL
+from tandem.operator.naming import POOL_LABEL, SERVICE_LABEL
 from tandem.operator.spec import DEFAULT_SELECTOR
 
 REPO = Path(__file__).resolve().parents[2]
