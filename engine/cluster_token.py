@@ -84,13 +84,15 @@ class ClusterToken:
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> ClusterToken:
+    def from_file(
+        cls, path: str | os.PathLike[str], clock: Callable[[], float] = time.monotonic
+    ) -> ClusterToken:
         p = Path(path)
         try:
             text = p.read_text()
         except OSError as exc:
             raise TokenError(f"cannot read cluster token file {p}: {exc.strerror}") from None
-        return cls(parse_tokens(text, f"cluster token file {p}"), path=p)
+        return cls(parse_tokens(text, f"cluster token file {p}"), path=p, clock=clock)
 
     @classmethod
     def load(cls, path: str | None, env: Mapping[str, str] | None = None) -> ClusterToken | None:

@@ -282,7 +282,7 @@ class DecodeSide:
             try:
                 await waiting
             except TransferError as exc:
-                raise LoadFailure(FailureReason.TRANSFER_ERROR, str(exc)) from None
+                raise LoadFailure(exc.reason, str(exc)) from None
             if not recv.self_delimiting:
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(done), self._ctx.transfer_timeout)

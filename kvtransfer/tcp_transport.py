@@ -207,8 +207,13 @@ class TcpRecvTransport:
         except (Unauthorized, TypeError, OverflowError, ValueError):
             good = False
         if not good:
-            self._drop(FailureReason.UNAUTHORIZED, f"transfer {xfer_id} is not authenticated")
-            waiter.future.set_exception(TransferError("data did not prove the transfer's secret"))
+            # Fails this load, which counts it (reason unauthorized): not counted twice here.
+            log.warning("kv tcp data: transfer %s is not authenticated; dropped", xfer_id)
+            waiter.future.set_exception(
+                TransferError(
+                    "data did not prove the transfer's secret", FailureReason.UNAUTHORIZED
+                )
+            )
             return
         got = [len(f) for f in frames[1:]]
         if sizes != expected or got != expected:

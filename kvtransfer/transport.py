@@ -23,7 +23,12 @@ DropCounter = Callable[[FailureReason], None]  # the connector counts dropped da
 
 
 class TransferError(RuntimeError):
-    """A data-path failure; the message says why (timeout, disconnect, bad data)."""
+    """A data-path failure; the message says why (timeout, disconnect, bad data), ``reason``
+    what the load's result and the failure metric call it."""
+
+    def __init__(self, message: str, reason: FailureReason = FailureReason.TRANSFER_ERROR) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def block_bytes_view(kv_cache: torch.Tensor, start: int, count: int) -> torch.Tensor:

@@ -38,17 +38,23 @@ class Proc:
     """A `tandem ...` subprocess with its log in a file; stop() kills its whole process group."""
 
     def __init__(
-        self, args: list[str], log_dir: Path, name: str, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        log_dir: Path,
+        name: str,
+        env: dict[str, str | None] | None = None,
     ) -> None:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
-        env = {
+        merged = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN,
             **(env or {}),
         }
+        # ``env`` may map a name to None to remove it (e.g. to let `tandem up` make a token).
+        env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args],
             stdout=self._log,

@@ -380,3 +380,45 @@ def test_hold_keeps_lease_alive_until_load_and_abort_releases(make) -> None:
     assert same(dec.kv_cache[7:9], pre.kv_cache[2:4])
     pc.release("kept")
     assert "d-dropped" not in dc.loads  # a held request that never loaded has no LoadResult
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pull_without_the_transfer_secret_gets_nothing(make, transport: str) -> None:
+    """A decode holding the cluster token but not the grant's secret: refused before a byte
+    moves (UCX too: its receives are never posted), and the grant stays pullable."""
+    from tandem.engine.cluster_token import ClusterToken
+
+    token = ClusterToken(["one-cluster-token-for-both"])
+    registry = CollectorRegistry()
+    metrics = create_kv_transfer_metrics(registry, "demo", "prefill")
+    pre = make(transport, "prefill", seed=31, cluster_token=token, metrics=metrics)
+    dec = make(transport, "decode", cluster_token=token)
+    dc = Collector(dec)
+    params = pre.publish("req", [3, 4], 32, 1)
+    guessed = KVTransferParams.from_dict({**params.to_dict(), "transfer_secret": "1" * 64})
+    dec.start_load("guess", guessed, [3, 4], [8, 9])
+    result = dc.load("guess")
+    assert (result.ok, result.reason) == (False, FailureReason.UNAUTHORIZED)
+    assert not dec.kv_cache.view(torch.uint8).any()
+    refused = registry.get_sample_value(
+        "tandem_kv_transfer_failures_total",
+        {"model": "demo", "role": "prefill", "reason": "unauthorized"},
+    )
+    assert refused >= 1  # the pull (and the guesser's release) were refused and counted
+    dec.start_load("real", params, [3, 4], [8, 9])
+    assert dc.load("real").ok
+    assert same(dec.kv_cache[8:10], pre.kv_cache[3:5])
+    Collector(pre).release("req")
+
+
+def test_connectors_with_different_tokens_never_handshake(make) -> None:
+    from tandem.engine.cluster_token import ClusterToken
+
+    pre = make("tcp", "prefill", seed=32, cluster_token=ClusterToken(["prefill-side-token-1"]))
+    dec = make("tcp", "decode", cluster_token=ClusterToken(["decode-side-token-22"]),
+               handshake_timeout=1.0)  # fmt: skip
+    dc = Collector(dec)
+    dec.start_load("d", pre.publish("req", [1], 16, 1), [1], [1])
+    result = dc.load("d")
+    assert not result.ok and result.reason in (FailureReason.UNAUTHORIZED, FailureReason.HANDSHAKE)
+    assert not dec.kv_cache.view(torch.uint8).any()
