@@ -59,6 +59,7 @@ class ZmqKVConnector:
         advertise_host: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         auth: FrameAuth | None = None,
+        data_port: int = 0,
     ) -> None:
         layout.check_kv_cache(kv_cache)
         if (send is not None) != (role != Role.DECODE) or (recv is not None) != (
@@ -92,7 +93,10 @@ class ZmqKVConnector:
         self._thread = threading.Thread(target=loop.run_forever, name="kv-connector", daemon=True)
         self._thread.start()
         try:
-            self._call(self._start(host, side_channel_port, advertise_host or host), timeout=30.0)
+            self._call(
+                self._start(host, side_channel_port, advertise_host or host, data_port),
+                timeout=30.0,
+            )
         except BaseException:
             self.close()
             raise
@@ -172,9 +176,9 @@ class ZmqKVConnector:
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._ctx.loop).result(timeout)
 
-    async def _start(self, host: str, port: int, advertise_host: str) -> None:
+    async def _start(self, host: str, port: int, advertise_host: str, data_port: int) -> None:
         if self._prefill is not None:
-            await self._prefill.start(host, port, advertise_host)
+            await self._prefill.start(host, port, advertise_host, data_port)
         self._ctx.spawn(self._ticker())
 
     async def _shutdown(self) -> None:

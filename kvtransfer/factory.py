@@ -34,6 +34,7 @@ def create_connector(
     advertise_host: str | None = None,
     engine_id: str | None = None,
     cluster_token: ClusterToken | None = None,
+    data_port: int = 0,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
@@ -48,6 +49,8 @@ def create_connector(
     another, so a restarted prefill is never read as its predecessor. ``cluster_token`` seals
     every side-channel frame and proves every data connection (workers always pass theirs;
     None, for in-process tests, seals with an empty key: the same wire, unauthenticated).
+    ``side_channel_port`` and ``data_port`` (0: any free port) fix the prefill's listeners so a
+    NetworkPolicy can name them.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -89,4 +92,5 @@ def create_connector(
         handshake_timeout=handshake_timeout,
         advertise_host=advertise_host,
         auth=auth,
+        data_port=data_port,
     )

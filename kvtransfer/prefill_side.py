@@ -67,7 +67,7 @@ class PrefillSide:
         self._hello_peers: dict[bytes, None] = {}
         self._router: zmq.asyncio.Socket | None = None
 
-    async def start(self, host: str, port: int, advertise_host: str) -> None:
+    async def start(self, host: str, port: int, advertise_host: str, data_port: int = 0) -> None:
         router = self._ctx.zctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         router.setsockopt(zmq.LINGER, 0)
@@ -75,7 +75,7 @@ class PrefillSide:
         self._router = router
         bound_port = router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
         self.side_channel_address = f"tcp://{advertise_host}:{bound_port}"
-        await self._send.start(host, advertise_host)
+        await self._send.start(host, advertise_host, data_port)
         self._ctx.spawn(self._serve())
 
     async def close(self) -> None:

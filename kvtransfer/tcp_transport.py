@@ -53,14 +53,14 @@ class TcpSendTransport:
         self.data_address = ""
         self.refused = 0
 
-    async def start(self, host: str, advertise_host: str) -> None:
+    async def start(self, host: str, advertise_host: str, port: int = 0) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # this socket only ever receives "ready"
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{host}:0")
-        port = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
-        self.data_address = f"tcp://{advertise_host}:{port}"
+        sock.bind(f"tcp://{host}:{port}")
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        self.data_address = f"tcp://{advertise_host}:{bound}"
         self._sock = sock
         self._reader = asyncio.ensure_future(self._read())
 

@@ -42,8 +42,9 @@ class SendTransport(Protocol):
     name: str
     data_address: str  # advertised in HELLO_OK; empty until start() returns
 
-    async def start(self, host: str, advertise_host: str) -> None:
-        """Listen on ``host``; ``data_address`` names ``advertise_host`` (what peers dial)."""
+    async def start(self, host: str, advertise_host: str, port: int = 0) -> None:
+        """Listen on ``host``:``port`` (0: any free port; a fixed one lets a NetworkPolicy
+        name it); ``data_address`` names ``advertise_host`` (what peers dial)."""
         ...
 
     async def send(

@@ -136,11 +136,11 @@ class UcxSendTransport:
         self.data_address = ""
         self.refused = 0
 
-    async def start(self, host: str, advertise_host: str) -> None:
+    async def start(self, host: str, advertise_host: str, port: int = 0) -> None:
         # ucxx listeners bind every interface (no address parameter); the connect proof and
         # the NetworkPolicy restrict who gets served. ``host`` binds the side channel.
         async def listen() -> Any:
-            return self._rt.ucxx.create_listener(self._on_connect, port=0)
+            return self._rt.ucxx.create_listener(self._on_connect, port=port)
 
         self._listener = await self._rt.run(listen())
         self.data_address = f"{advertise_host}:{self._listener.port}"

@@ -18,15 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import cluster_secret
-from tandem.operator.naming import (  # re-exported: the children's names and labels
+from tandem.operator.naming import (
     CONFIG_HASH_ANNOTATION,
     POOLS,
     RUN_AS_USER,
+    UCX_TCP_PORT_RANGE,
     Owner,
     child_metadata,
     child_name,
     common_labels,
     config_map_name,
+    kv_ports,
     registry_url,
     router_url,
     selector_labels,
@@ -57,6 +59,7 @@ def render_config_map(owner: Owner, spec: TandemServiceSpec) -> dict[str, Any]:
         "HOME": "/tmp",
         "XDG_CACHE_HOME": "/tmp/.cache",
         "TRITON_CACHE_DIR": "/tmp/.triton",
+        "UCX_TCP_PORT_RANGE": "{}-{}".format(*UCX_TCP_PORT_RANGE),
         "PYTHONUNBUFFERED": "1",
     }
     return {
@@ -138,6 +141,10 @@ def worker_args(owner: Owner, spec: TandemServiceSpec, role: str) -> list[str]:
         "--kv-transport",
         spec.kv_transport,
     ]
+    kv = kv_ports(pool.port)
+    args += ["--kv-events-port", str(kv["kv-events"])]
+    if role == "prefill":
+        args += ["--kv-side-channel-port", str(kv["kv-side"]), "--kv-data-port", str(kv["kv-data"])]
     if spec.model.argument != spec.model.name:
         args += ["--served-model-name", spec.model.name]
     for key, value in sorted(pool.engine_options.items()):
@@ -233,6 +240,10 @@ def _deployment(
         ports.append(
             {"name": "internal", "containerPort": spec.router.internal_port, "protocol": "TCP"}
         )
+    else:
+        kv = kv_ports(port)
+        names = ("kv-events", "kv-side", "kv-data") if pool == "prefill" else ("kv-events",)
+        ports += [{"name": n, "containerPort": kv[n], "protocol": "TCP"} for n in names]
     container: dict[str, Any] = {
         "name": pool,
         "image": spec.image,

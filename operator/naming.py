@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import cluster_secret
-from tandem.operator.spec import TandemServiceSpec
+from tandem.operator.spec import KV_PORT_OFFSETS, TandemServiceSpec
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -33,6 +33,18 @@ class Owner:
     name: str
     namespace: str
     uid: str
+
+
+# UCX's TCP transport opens its own listening sockets besides the listener; pinning them to a
+# range lets the NetworkPolicy admit workers to each other there (and only there).
+UCX_TCP_PORT_RANGE = (8300, 8349)
+
+
+def kv_ports(pool_port: int) -> dict[str, int]:
+    """A worker pool's fixed KV listener ports, next to its HTTP port so a NetworkPolicy can
+    name every one (manifests/network-policy.yaml): the KV-event publisher (both roles) and,
+    on prefill, the KV side channel and the data listener (UCX or TCP)."""
+    return {name: pool_port + offset for name, offset in KV_PORT_OFFSETS.items()}
 
 
 def child_name(owner_name: str, pool: str) -> str:

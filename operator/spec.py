@@ -22,6 +22,8 @@ ROUTER_POLICIES = ("prefix-aware", "least-load", "round-robin")
 TRANSPORTS = ("ucx", "tcp")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# A worker pool's KV listeners take the ports right after its HTTP port (naming.kv_ports).
+KV_PORT_OFFSETS = {"kv-events": 1, "kv-side": 2, "kv-data": 3}
 
 
 class SpecError(ValueError):
@@ -334,11 +336,15 @@ def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
     )
     prefill = _pool(_section(raw, "prefill", "spec"), "spec.prefill", 8100)
     decode = _pool(_section(raw, "decode", "spec"), "spec.decode", 8200)
-    ports = {router.port, router.internal_port, prefill.port, decode.port}
-    if len(ports) != 4:
+    # Each worker pool also listens on the three ports after its own (KV events, side
+    # channel, data: children.kv_ports), so the pools' ranges may not overlap.
+    ports = [router.port, router.internal_port]
+    for pool in (prefill, decode):
+        ports += [pool.port, *(pool.port + off for off in KV_PORT_OFFSETS.values())]
+    if len(set(ports)) != len(ports) or max(ports) > 65535:
         raise SpecError(
             "spec.router.port, spec.router.internalPort, spec.prefill.port and spec.decode.port "
-            "must differ"
+            "must differ (each pool also uses the 3 ports after its own for KV)"
         )
     kv_raw = _section(raw, "kvTransfer", "spec")
     autoscaling = _autoscaling(_section(raw, "autoscaling", "spec"), "spec.autoscaling")

@@ -32,6 +32,8 @@ class RoleContext:
     registry: CollectorRegistry  # the worker's metrics
     model_name: str
     cluster_token: ClusterToken | None = None  # the KV side channel requires it when set
+    kv_side_channel_port: int = 0  # 0: any free port
+    kv_data_port: int = 0
 
 
 class WorkerRole(Protocol):

@@ -35,6 +35,9 @@ class WorkerConfig:
     # Required on the internal API, KV events and the KV side channel; None only in-process
     # (tests): the CLI refuses to start without one.
     cluster_token: ClusterToken | None = None
+    kv_events_port: int = 0  # fixed listener ports (0: any free one); the operator fixes them
+    kv_side_channel_port: int = 0
+    kv_data_port: int = 0
 
 
 class WorkerService:
@@ -56,9 +59,13 @@ class WorkerService:
             self.registry,
             self.model_name,
             config.cluster_token,
+            config.kv_side_channel_port,
+            config.kv_data_port,
         )
         self.engine = Engine(parts, role.attach(parts, ctx))
-        self.events = KVEventPublisher(self.engine_id, host=config.host, token=config.cluster_token)
+        self.events = KVEventPublisher(
+            self.engine_id, host=config.host, port=config.kv_events_port, token=config.cluster_token
+        )
         self.events_endpoint = self.events.endpoint.replace(config.host, host, 1)
         self.thread = EngineThread(self.engine, after_step=self._after_step)
 

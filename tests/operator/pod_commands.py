@@ -98,7 +98,8 @@ def _local_args(
             if arg != "0.0.0.0":
                 raise ValueError(f"--host {arg}: expected the pod's 0.0.0.0")
             arg = LOOPBACK
-        elif flag in ("--port", "--internal-port"):
+        elif flag in ("--port", "--internal-port", "--kv-events-port", "--kv-side-channel-port",
+                      "--kv-data-port"):  # fmt: skip
             arg = str(ports[int(arg)])
         out.append(_rewrite(arg, urls, mounts))
     return out

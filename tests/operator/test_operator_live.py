@@ -94,7 +94,8 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
     deployments = [c for c in children if c["kind"] == "Deployment"]
     services = [c for c in children if c["kind"] == "Service"]
     config_maps = {c["metadata"]["name"]: c["data"] for c in children if c["kind"] == "ConfigMap"}
-    ports = {8000: 18000, 8001: 18001, 8100: 18100, 8200: 18200}
+    ports = {8000: 18000, 8001: 18001, 8100: 18100, 8101: 18101, 8102: 18102, 8103: 18103,
+             8200: 18200, 8201: 18201}  # fmt: skip
     urls = service_urls(services, deployments, ports)
     # Worker Services are headless and selected per pod; their URLs are never used, but map too.
     assert urls["http://demo-router.default.svc:8000"] == "http://127.0.0.1:18000"
@@ -117,6 +118,12 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
                 "/x/token/token",
                 "--kv-transport",
                 "tcp",
+                "--kv-events-port",
+                "18101",
+                "--kv-side-channel-port",
+                "18102",
+                "--kv-data-port",
+                "18103",
                 "--engine-option",
                 "max_num_batched_tokens=512",
             ]
@@ -137,6 +144,7 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
         "TANDEM_SERVED_MODEL_NAME": "demo",
         "TRANSFORMERS_OFFLINE": "1",
         "TRITON_CACHE_DIR": "/x/prefill/.triton",
+        "UCX_TCP_PORT_RANGE": "8300-8349",
         "XDG_CACHE_HOME": "/x/prefill/.cache",
     }
     with pytest.raises(ValueError, match="envFrom"):

@@ -231,6 +231,8 @@ def test_render_commands() -> None:
         "/etc/tandem/cluster-token/token",
         "--kv-transport",
         "ucx",
+        "--kv-events-port",
+        "8201",
         "--served-model-name",
         "llama-3-8b-instruct",
         "--engine-option",
@@ -263,7 +265,15 @@ def test_render_commands() -> None:
         }
     }
     assert "lifecycle" not in router
-    assert decode["ports"] == [{"name": "http", "containerPort": 8200, "protocol": "TCP"}]
+    assert decode["ports"] == [
+        {"name": "http", "containerPort": 8200, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": 8201, "protocol": "TCP"},
+    ]
+    prefill = named["Deployment/demo-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert prefill["args"][prefill["args"].index("--kv-events-port") :][:6] == [
+        "--kv-events-port", "8101", "--kv-side-channel-port", "8102", "--kv-data-port", "8103",
+    ]  # fmt: skip
+    assert [p["containerPort"] for p in prefill["ports"]] == [8100, 8101, 8102, 8103]
 
 
 def test_render_security_and_metrics_labels() -> None:
