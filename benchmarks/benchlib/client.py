@@ -45,13 +45,17 @@ class StreamResult:
         return [b - a for a, b in zip(w, w[1:], strict=False)]
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
-    """One streamed chat completion through ``url`` (the router's base URL)."""
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], walls: list[float] | None = None
+) -> StreamResult:
+    """One streamed chat completion through ``url`` (the router's base URL). Each content chunk's
+    arrival time is appended to ``walls`` as it comes (a caller that cancels the stream keeps what
+    arrived)."""
     start_wall = time.time()
     t0 = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
-    walls: list[float] = []
+    walls = [] if walls is None else walls
     usage: dict[str, Any] = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         if r.status_code != 200:

@@ -1,0 +1,136 @@
+"""The workloads, as guidellm data and profiles. Pure: no I/O but writing a trace file.
+
+- ``prefill-heavy``: prompts 1-2 k tokens, outputs 64-256 (guidellm ``synthetic_text``), Poisson
+  arrivals swept over ``rates``.
+- ``chat``: prompts ~256, outputs ~256, Poisson arrivals swept over ``rates``.
+- ``bursty``: a trace replayed by guidellm (``trace_synthetic`` + the ``replay`` profile): short
+  background requests (32-token prompts, 240-token outputs, Poisson) plus a burst of
+  ``burst_size`` long prompts every ``burst_every_s`` seconds; swept by scaling the whole trace's
+  load (guidellm's ``time_scale`` = 1 / load). Load 1.0 is the fixed point below capacity, where
+  the ITL canary's timeline through the bursts is reported.
+
+Rates are for the default model (random Llama, hidden 384, 6 layers) on 2 CPU cores; scale them
+to another machine with ``--rate-scale``. ``fixed`` is the sweep point "below capacity" whose
+TTFT/ITL distributions are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True, frozen=True)
+class Lengths:
+    """A guidellm synthetic length distribution: normal(mean, stdev) clipped to [min, max]."""
+
+    prompt: int
+    prompt_stdev: int
+    prompt_min: int
+    prompt_max: int
+    output: int
+    output_stdev: int
+    output_min: int
+    output_max: int
+
+    def data_arg(self) -> str:
+        """The ``--data`` value of guidellm's ``synthetic_text`` source."""
+        return (
+            f"kind=synthetic_text,prompt_tokens={self.prompt},"
+            f"prompt_tokens_stdev={self.prompt_stdev},prompt_tokens_min={self.prompt_min},"
+            f"prompt_tokens_max={self.prompt_max},output_tokens={self.output},"
+            f"output_tokens_stdev={self.output_stdev},output_tokens_min={self.output_min},"
+            f"output_tokens_max={self.output_max}"
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Synthetic:
+    name: str
+    lengths: Lengths
+    rates: tuple[float, ...]  # requests per second, ascending
+    fixed: int  # index into rates: the point below capacity
+
+    def scaled(self, scale: float) -> tuple[float, ...]:
+        return tuple(round(r * scale, 4) for r in self.rates)
+
+
+@dataclass(slots=True, frozen=True)
+class Bursty:
+    name: str
+    background_rate: float  # short requests per second at load 1.0
+    background_prompt: int
+    background_output: int
+    burst_every_s: float
+    burst_size: int
+    burst_prompt: int
+    burst_output: int
+    loads: tuple[float, ...]  # trace load multipliers, ascending; 1.0 must be one of them
+    canary_streams: int  # closed-loop streams of background shape timed per chunk
+
+    @property
+    def fixed(self) -> int:
+        return self.loads.index(1.0)
+
+    def rate(self, load: float) -> float:
+        """Offered requests per second at ``load``."""
+        return load * (self.background_rate + self.burst_size / self.burst_every_s)
+
+
+PREFILL_HEAVY = Synthetic(
+    "prefill-heavy",
+    Lengths(1536, 300, 1024, 2048, 160, 50, 64, 256),
+    rates=(0.25, 0.35, 0.5, 0.7, 1.0),
+    fixed=1,
+)
+CHAT = Synthetic(
+    "chat",
+    Lengths(256, 64, 128, 384, 256, 64, 128, 384),
+    rates=(0.5, 1.0, 1.5, 2.0, 3.0),
+    fixed=2,
+)
+BURSTY = Bursty(
+    "bursty",
+    background_rate=1.0,
+    background_prompt=32,
+    background_output=240,
+    burst_every_s=4.0,
+    burst_size=2,
+    burst_prompt=1500,
+    burst_output=16,
+    loads=(0.6, 1.0, 1.4),
+    canary_streams=2,
+)
+WORKLOADS: dict[str, Synthetic | Bursty] = {w.name: w for w in (PREFILL_HEAVY, CHAT, BURSTY)}
+
+# The calibration run (one request at a time): prompt lengths across every workload's range, so
+# the unloaded TTFT line is fitted where the SLOs apply; short outputs (ITL needs a few tokens).
+CALIBRATION = Lengths(1024, 700, 32, 2048, 32, 1, 32, 32)
+
+
+def bursty_trace(w: Bursty, duration_s: float, seed: int) -> list[dict[str, float | int]]:
+    """The bursty trace at load 1.0 for ``duration_s`` seconds: rows of guidellm's
+    ``trace_synthetic`` format (timestamp s, input_length, output_length), by timestamp. The first
+    burst comes at a quarter period, so even a short run sees one."""
+    if duration_s <= 0:
+        raise ValueError("duration_s must be > 0")
+    rng = random.Random(seed)
+    rows: list[dict[str, float | int]] = []
+    t = rng.expovariate(w.background_rate)
+    while t < duration_s:
+        rows.append({"timestamp": round(t, 4), "input_length": w.background_prompt,
+                     "output_length": w.background_output})  # fmt: skip
+        t += rng.expovariate(w.background_rate)
+    b = w.burst_every_s / 4
+    while b < duration_s:
+        rows += [{"timestamp": round(b, 4), "input_length": w.burst_prompt,
+                  "output_length": w.burst_output} for _ in range(w.burst_size)]  # fmt: skip
+        b += w.burst_every_s
+    return sorted(rows, key=lambda r: r["timestamp"])
+
+
+def write_trace(rows: list[dict[str, float | int]], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
