@@ -13,6 +13,7 @@ commands:
   decode     a decode worker
   colocated  a worker that prefills and decodes (no disaggregation)
   operator   the Kubernetes operator
+  bench      guidellm against a running endpoint (model and tokenizer filled in)
 
 `tandem <command> --help` for its options."""
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.up import main as up_main
 
         return up_main(rest)
+    if cmd == "bench":
+        from tandem.bench import main as bench_main
+
+        return bench_main(rest)
     if cmd == "operator":
         from tandem.operator.cli import main as operator_main
 
