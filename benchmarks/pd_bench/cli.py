@@ -62,13 +62,16 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
         metavar="WORKLOAD=R1,R2,...",
         help="replace a synthetic workload's rates (or the bursty loads)",
     )
+    a("--min-requests", type=int, default=8, help="per Poisson point, whatever its duration")
     a("--calibration-requests", type=int, default=8)
     a("--canary-alone", type=float, default=15.0, help="seconds of the canary's unloaded run")
     a("--slo", type=_slo, action="append", default=None, metavar="NAME:TTFT_X:ITL_X",
       help="SLO as multiples of the unloaded TTFT and ITL (repeatable; default "
            "tight-itl:5:1.5 and relaxed:10:3)")  # fmt: skip
     a("--target", type=float, default=0.9, help="attainment that counts as goodput")
-    a("--model-dir", default=None, help="default: a random chat Llama in a temp dir")
+    a("--model-dir", default=None,
+      help="default: a random chat Llama (4096 positions: prompts reach 2 k plus the output) in "
+           "a temp dir")  # fmt: skip
     a("--hidden", type=int, default=384)
     a("--layers", type=int, default=6)
     a("--seed", type=int, default=0)
@@ -110,10 +113,11 @@ def fixed_rates(ws: tuple[Synthetic | Bursty, ...], scale: float) -> dict[str, f
 
 def estimate_s(ws: tuple[Synthetic | Bursty, ...], n_first: int, n_later: int, repeats: int,
                s: runner.Settings) -> float:  # fmt: skip
-    per = STARTUP_S + s.calibration_requests * 1.5 + GUIDELLM_OVERHEAD_S
+    per = STARTUP_S + (s.calibration_requests + 3) * 1.5 + 2 * GUIDELLM_OVERHEAD_S
     for w in ws:
         if isinstance(w, Synthetic):
-            per += sum(s.duration_s + GUIDELLM_OVERHEAD_S + 5 for _ in w.rates)
+            per += sum(max(s.duration_s, s.min_requests / (r * s.rate_scale))
+                       + GUIDELLM_OVERHEAD_S + 5 for r in w.rates)  # fmt: skip
         else:
             per += s.canary_alone_s + sum(s.duration_s / (ld * s.rate_scale)
                                           + GUIDELLM_OVERHEAD_S + 5 for ld in w.loads)  # fmt: skip
@@ -141,7 +145,8 @@ def main(doc: str | None = None) -> int:
     specs = deployments.build(names, args.cpus, aux, args.budgets, args.colo2_budget,
                               args.thresholds, tuple(args.transports.split(",")))  # fmt: skip
     settings = runner.Settings(
-        args.model_dir or "", args.duration, args.rate_scale, args.calibration_requests,
+        args.model_dir or "", args.duration, args.min_requests, args.rate_scale,
+        args.calibration_requests,
         args.canary_alone, aux, args.seed, ws,
     )  # fmt: skip
     later = len(specs) if args.repeat_all else min(len(specs), 3)

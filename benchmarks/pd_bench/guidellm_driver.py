@@ -52,10 +52,11 @@ def guidellm_bin() -> str:
     return found
 
 
-def poisson(data: str, rate: float, duration_s: float, seed: int) -> Run:
-    n = max(2, math.ceil(rate * duration_s))
-    return Run(data, f"kind=poisson,rate={rate}", n,
-               duration_s + max(30.0, duration_s))  # fmt: skip
+def poisson(data: str, rate: float, duration_s: float, min_requests: int = 8) -> Run:
+    """``rate x duration_s`` requests (at least ``min_requests``: attainment needs a population),
+    capped at twice their expected arrival span plus a minute."""
+    n = max(min_requests, math.ceil(rate * duration_s))
+    return Run(data, f"kind=poisson,rate={rate}", n, 2 * n / rate + 60.0)
 
 
 def synchronous(data: str, requests: int, max_seconds: float) -> Run:
@@ -65,7 +66,7 @@ def synchronous(data: str, requests: int, max_seconds: float) -> Run:
 def replay(trace: Path, load: float, duration_s: float) -> Run:
     data = f"kind=trace_synthetic,source.kind=json_file,source.path={trace}"
     return Run(data, f"kind=replay,time_scale={round(1 / load, 6)},schedule_turn=timestamp", None,
-               duration_s / load + max(30.0, duration_s))  # fmt: skip
+               2 * duration_s / load + 60.0)  # fmt: skip
 
 
 def argv(target: Target, run: Run, out_json: Path, guidellm: str, seed: int) -> list[str]:

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ REQ_FIELDS = ("start", "prompt_tokens", "output_tokens", "ttft_ms", "itl_ms", "e
 class Settings:
     model_dir: str
     duration_s: float  # of load per sweep point
+    min_requests: int  # per Poisson point
     rate_scale: float
     calibration_requests: int
     canary_alone_s: float
@@ -93,6 +95,13 @@ def wait_idle(worker_urls: list[str], timeout_s: float = 60.0) -> None:
         time.sleep(0.25)
 
 
+def point_seed(seed: int, workload: str, x: float) -> int:
+    """guidellm's seed for one point: the same for every deployment, different for every point
+    of one deployment. guidellm's synthetic prompts are a function of the seed, so two runs with
+    one seed send the same prompts, and the second would be served from the prefix cache."""
+    return seed + zlib.crc32(f"{workload}@{x}".encode()) % 1_000_000
+
+
 class DeploymentRun:
     """Measures one started deployment; ``record`` is what goes into the report."""
 
@@ -107,11 +116,11 @@ class DeploymentRun:
                                        "points": [], "errors": []}  # fmt: skip
         self._n = 0
 
-    def _guidellm(self, run: gd.Run) -> list[gd.Benchmark]:
+    def _guidellm(self, run: gd.Run, seed: int) -> list[gd.Benchmark]:
         self._n += 1
         wd = self.workdir / f"run{self._n}"
         try:
-            return gd.benchmarks(gd.execute(self.target, run, wd, self.s.aux_cpus, self.s.seed))
+            return gd.benchmarks(gd.execute(self.target, run, wd, self.s.aux_cpus, seed))
         finally:
             shutil.rmtree(wd, ignore_errors=True)
 
@@ -123,7 +132,7 @@ class DeploymentRun:
         if canary is not None:
             canary.start()
         try:
-            benches = self._guidellm(run)
+            benches = self._guidellm(run, point_seed(self.s.seed, workload, x))
         except (RuntimeError, OSError, ValueError, KeyError) as exc:
             self.record["errors"].append(f"{workload} @ {x}: {exc}")
             log(self.s, f"   {workload} @ {x}: FAILED {str(exc)[:300]}")
@@ -153,13 +162,16 @@ class DeploymentRun:
         warm_up(self.dep.url, self.model)
         sampler.start()
         try:
-            self._point("calibration", 0.0, gd.synchronous(
-                CALIBRATION.data_arg(), s.calibration_requests, 60 + 30 * s.calibration_requests,
+            short, spread = CALIBRATION
+            self._point("calibration", 0.0, gd.synchronous(short.data_arg(), 3, 120), {})
+            self._point("calibration", 1.0, gd.synchronous(
+                spread.data_arg(), s.calibration_requests, 60 + 30 * s.calibration_requests,
             ), {})  # fmt: skip
             for w in s.workloads:
                 if isinstance(w, Synthetic):
                     for rate in w.scaled(s.rate_scale):
-                        run = gd.poisson(w.lengths.data_arg(), rate, s.duration_s, s.seed)
+                        run = gd.poisson(w.lengths.data_arg(), rate, s.duration_s,
+                                         s.min_requests)  # fmt: skip
                         self._point(w.name, rate, run, {})
                 else:
                     self._bursty(w)

@@ -1,21 +1,23 @@
 """SLOs from unloaded latencies, SLO attainment and goodput: pure functions over request records.
 
 The SLOs are multiples of the unloaded latencies measured in the same run. Unloaded TTFT depends
-on the prompt's length, so each deployment's calibration run (one request at a time, prompts from
-short to the longest the workloads send) is fitted as ``ttft = a + b * prompt_tokens``; a request's
-TTFT objective is ``ttft_x`` times the best deployment's prediction for its length (the lower
-envelope of the fitted lines), its ITL objective ``itl_x`` times the best unloaded median of the
-per-request mean inter-token latency (guidellm's ITL, which excludes the first token: vLLM's
-TPOT). One objective for every deployment: a deployment that is slower unloaded (P/D pays for the
-KV transfer) is judged by the same clock.
+on the prompt's length, so each deployment's calibration runs (one request at a time, prompts from
+short to the longest the workloads send) give a TTFT profile over prompt length (``TtftProfile``:
+linear between the measured points); a request's TTFT objective is ``ttft_x`` times the best
+deployment's unloaded TTFT at its length (the lower envelope of the profiles), its ITL objective
+``itl_x`` times the best unloaded median of the per-request mean inter-token latency (guidellm's
+ITL, which excludes the first token: vLLM's TPOT). One objective for every deployment: a
+deployment that is slower unloaded (P/D pays for the KV transfer) is judged by the same clock.
 
 Goodput of a deployment on a workload: the highest offered request rate at which at least
-``target`` of the requests meet both objectives; requests that did not finish inside the
-measurement window count as missing them (a deployment cannot pass by leaving work unfinished).
+``target`` of the requests meet both objectives; requests that did not finish (cancelled at the
+run's time cap, or errored) count as missing them (a deployment cannot pass by leaving work
+unfinished).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,26 +37,35 @@ class Req:
 
 
 @dataclass(slots=True, frozen=True)
-class LinearFit:
-    a: float  # ms
-    b: float  # ms per prompt token
+class TtftProfile:
+    """Unloaded TTFT as a function of prompt length: linear between calibration points, flat
+    beyond them, made non-decreasing (a running max over length: a longer prompt is never faster
+    unloaded, and a lower measurement is noise)."""
+
+    points: tuple[tuple[int, float], ...]  # (prompt tokens, ms), by length, non-decreasing
+
+    @classmethod
+    def of(cls, samples: Sequence[tuple[int, float]]) -> TtftProfile:
+        if not samples:
+            raise ValueError("a TTFT profile needs at least one sample")
+        pts: list[tuple[int, float]] = []
+        best = -math.inf
+        for n, t in sorted(samples):
+            best = max(best, t)
+            if pts and pts[-1][0] == n:
+                pts[-1] = (n, best)
+            else:
+                pts.append((n, best))
+        return cls(tuple(pts))
 
     def at(self, prompt_tokens: int) -> float:
-        return self.a + self.b * prompt_tokens
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
-    """Least squares ``y = a + b x``; one distinct x gives a flat line through the mean. The slope
-    is floored at 0 (unloaded TTFT does not fall as prompts grow; a negative fit is noise)."""
-    if not xs or len(xs) != len(ys):
-        raise ValueError("fit_line needs equally many xs and ys, at least one")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return LinearFit(my, 0.0)
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
-    return LinearFit(my - b * mx, b)
+        pts = self.points
+        if prompt_tokens <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
+            if prompt_tokens <= n1:
+                return t0 + (t1 - t0) * (prompt_tokens - n0) / (n1 - n0)
+        return pts[-1][1]
 
 
 def median(xs: Sequence[float]) -> float:
@@ -67,9 +78,9 @@ def median(xs: Sequence[float]) -> float:
 
 @dataclass(slots=True, frozen=True)
 class Unloaded:
-    """One deployment's calibration: the TTFT line and the median per-request ITL."""
+    """One deployment's calibration: the TTFT profile and the median per-request ITL."""
 
-    ttft: LinearFit
+    ttft: TtftProfile
     itl_ms: float
     requests: int
 
@@ -79,21 +90,21 @@ def unloaded(reqs: Sequence[Req]) -> Unloaded:
     itls = [r.itl_ms for r in done if r.itl_ms is not None]
     if len(done) < 2 or not itls:
         raise ValueError(f"calibration needs >= 2 completed requests with ITL, got {len(done)}")
-    fit = fit_line([r.prompt_tokens for r in done], [r.ttft_ms for r in done])  # type: ignore[misc]
-    return Unloaded(fit, median(itls), len(done))
+    profile = TtftProfile.of([(r.prompt_tokens, r.ttft_ms) for r in done])  # type: ignore[misc]
+    return Unloaded(profile, median(itls), len(done))
 
 
 @dataclass(slots=True, frozen=True)
 class Slo:
-    """Per-request objectives: TTFT from the lower envelope of the unloaded lines."""
+    """Per-request objectives: TTFT from the lower envelope of the unloaded profiles."""
 
-    ttft_lines: tuple[LinearFit, ...]
+    ttft_profiles: tuple[TtftProfile, ...]
     itl_ms: float
     ttft_x: float
     itl_x: float
 
     def ttft_ms(self, prompt_tokens: int) -> float:
-        return self.ttft_x * min(f.at(prompt_tokens) for f in self.ttft_lines)
+        return self.ttft_x * min(f.at(prompt_tokens) for f in self.ttft_profiles)
 
     def itl_limit_ms(self) -> float:
         return self.itl_x * self.itl_ms

@@ -71,14 +71,13 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
     kinds = {r["deployment"]: r["kind"] for r in records}
     refs: dict[str, Unloaded] = {}
     for rec in records:
-        cal = [p for p in rec["points"] if p["workload"] == "calibration"]
-        if cal:
-            try:
-                refs[rec["deployment"]] = fit_unloaded(reqs_of(cal[0]))
-            except ValueError:
-                pass
+        cal = [r for p in rec["points"] if p["workload"] == "calibration" for r in reqs_of(p)]
+        try:
+            refs[rec["deployment"]] = fit_unloaded(cal)
+        except ValueError:
+            pass
     out: dict[str, Any] = {
-        "unloaded": {d: {"ttft_a_ms": round(u.ttft.a, 1), "ttft_b_ms_per_token": round(u.ttft.b, 4),
+        "unloaded": {d: {"ttft_ms_by_prompt": [[n, round(t, 1)] for n, t in u.ttft.points],
                          "itl_ms": round(u.itl_ms, 2)} for d, u in refs.items()},
         "workloads": {},
     }  # fmt: skip

@@ -1,8 +1,9 @@
 """The workloads, as guidellm data and profiles. Pure: no I/O but writing a trace file.
 
-- ``prefill-heavy``: prompts 1-2 k tokens, outputs 64-256 (guidellm ``synthetic_text``), Poisson
+- ``prefill-heavy``: prompts uniform in 1-2 k tokens, outputs uniform in 64-256 (guidellm
+  ``synthetic_text``), Poisson arrivals swept over ``rates``.
+- ``chat``: prompts and outputs normal around 256 (stdev 64, clipped to 128-384), Poisson
   arrivals swept over ``rates``.
-- ``chat``: prompts ~256, outputs ~256, Poisson arrivals swept over ``rates``.
 - ``bursty``: a trace replayed by guidellm (``trace_synthetic`` + the ``replay`` profile): short
   background requests (32-token prompts, 240-token outputs, Poisson) plus a burst of
   ``burst_size`` long prompts every ``burst_every_s`` seconds; swept by scaling the whole trace's
@@ -24,26 +25,28 @@ from pathlib import Path
 
 @dataclass(slots=True, frozen=True)
 class Lengths:
-    """A guidellm synthetic length distribution: normal(mean, stdev) clipped to [min, max]."""
+    """A guidellm synthetic length distribution per side: normal(mean, stdev) clipped to
+    [min, max], or uniform over [min, max] when stdev is None (guidellm's own rule)."""
 
     prompt: int
-    prompt_stdev: int
+    prompt_stdev: int | None
     prompt_min: int
     prompt_max: int
     output: int
-    output_stdev: int
+    output_stdev: int | None
     output_min: int
     output_max: int
 
     def data_arg(self) -> str:
         """The ``--data`` value of guidellm's ``synthetic_text`` source."""
-        return (
-            f"kind=synthetic_text,prompt_tokens={self.prompt},"
-            f"prompt_tokens_stdev={self.prompt_stdev},prompt_tokens_min={self.prompt_min},"
-            f"prompt_tokens_max={self.prompt_max},output_tokens={self.output},"
-            f"output_tokens_stdev={self.output_stdev},output_tokens_min={self.output_min},"
-            f"output_tokens_max={self.output_max}"
-        )
+        parts = ["kind=synthetic_text"]
+        for side in ("prompt", "output"):
+            parts.append(f"{side}_tokens={getattr(self, side)}")
+            if getattr(self, f"{side}_stdev") is not None:
+                parts.append(f"{side}_tokens_stdev={getattr(self, f'{side}_stdev')}")
+            parts.append(f"{side}_tokens_min={getattr(self, f'{side}_min')}")
+            parts.append(f"{side}_tokens_max={getattr(self, f'{side}_max')}")
+        return ",".join(parts)
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,7 +84,7 @@ class Bursty:
 
 PREFILL_HEAVY = Synthetic(
     "prefill-heavy",
-    Lengths(1536, 300, 1024, 2048, 160, 50, 64, 256),
+    Lengths(1536, None, 1024, 2048, 160, None, 64, 256),
     rates=(0.25, 0.35, 0.5, 0.7, 1.0),
     fixed=1,
 )
@@ -96,7 +99,7 @@ BURSTY = Bursty(
     background_rate=1.0,
     background_prompt=32,
     background_output=240,
-    burst_every_s=4.0,
+    burst_every_s=6.0,
     burst_size=2,
     burst_prompt=1500,
     burst_output=16,
@@ -105,9 +108,11 @@ BURSTY = Bursty(
 )
 WORKLOADS: dict[str, Synthetic | Bursty] = {w.name: w for w in (PREFILL_HEAVY, CHAT, BURSTY)}
 
-# The calibration run (one request at a time): prompt lengths across every workload's range, so
-# the unloaded TTFT line is fitted where the SLOs apply; short outputs (ITL needs a few tokens).
-CALIBRATION = Lengths(1024, 700, 32, 2048, 32, 1, 32, 32)
+# The calibration runs (one request at a time): short prompts, then prompts across every
+# workload's range, so the unloaded TTFT profile covers every length the SLOs judge; short outputs
+# (ITL needs a few tokens).
+CALIBRATION = (Lengths(32, None, 32, 32, 32, None, 32, 32),
+               Lengths(1088, None, 128, 2048, 32, None, 32, 32))  # fmt: skip
 
 
 def bursty_trace(w: Bursty, duration_s: float, seed: int) -> list[dict[str, float | int]]:

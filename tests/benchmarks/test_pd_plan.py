@@ -48,30 +48,34 @@ def test_placement_pins_router_and_workers_with_matching_threads() -> None:
 
 
 def test_bursty_trace_shape() -> None:
-    rows = bursty_trace(BURSTY, 10.0, seed=3)
+    w = dataclasses.replace(BURSTY, burst_every_s=4.0)
+    rows = bursty_trace(w, 10.0, seed=3)
     bursts = [r for r in rows if r["input_length"] == BURSTY.burst_prompt]
     # Bursts at 1, 5 and 9 s (a quarter period, then every period), burst_size each.
     assert sorted({r["timestamp"] for r in bursts}) == [1.0, 5.0, 9.0]
     assert len(bursts) == 3 * BURSTY.burst_size
     assert all(r["output_length"] == BURSTY.background_output for r in rows if r not in bursts)
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
-    assert rows == bursty_trace(BURSTY, 10.0, seed=3)
+    assert rows == bursty_trace(w, 10.0, seed=3)
     assert BURSTY.rate(1.0) == BURSTY.background_rate + BURSTY.burst_size / BURSTY.burst_every_s
 
 
 def test_guidellm_command_line() -> None:
     target = guidellm_driver.Target("http://127.0.0.1:9", "m", "/tok")
-    run = guidellm_driver.poisson(PREFILL_HEAVY.lengths.data_arg(), 0.5, 20.0, seed=1)
-    assert run.max_requests == 10 and run.max_seconds == 50.0
+    run = guidellm_driver.poisson(PREFILL_HEAVY.lengths.data_arg(), 0.5, 20.0, min_requests=8)
+    assert run.max_requests == 10 and run.max_seconds == 100.0
+    assert guidellm_driver.poisson("d", 0.1, 20.0, min_requests=8).max_requests == 8
     argv = guidellm_driver.argv(target, run, Path("/o.json"), "guidellm", seed=1)
     assert argv[:2] == ["guidellm", "run"]
     opts = dict(zip(argv[2::2], argv[3::2], strict=False))
     assert opts["--backend"].startswith("kind=openai_http,target=http://127.0.0.1:9/v1,model=m,")
     assert "extras.body.temperature=0" in opts["--backend"]
     assert opts["--profile"] == "kind=poisson,rate=0.5"
-    assert opts["--data"].startswith("kind=synthetic_text,prompt_tokens=1536,")
+    assert opts["--data"] == ("kind=synthetic_text,prompt_tokens=1536,prompt_tokens_min=1024,"
+                              "prompt_tokens_max=2048,output_tokens=160,output_tokens_min=64,"
+                              "output_tokens_max=256")  # fmt: skip
     assert "--disable-console-interactive" in argv
-    assert "kind=max_requests,count=10" in argv and "kind=max_duration,seconds=50.0" in argv
+    assert "kind=max_requests,count=10" in argv and "kind=max_duration,seconds=100.0" in argv
     trace = guidellm_driver.replay(Path("/t.jsonl"), 2.0, 10.0)
     assert trace.profile == "kind=replay,time_scale=0.5,schedule_turn=timestamp"
     assert trace.max_requests is None
@@ -132,3 +136,12 @@ def test_summary_goodput_ratio_against_the_best_colocated() -> None:
                                                     "max": 1.667}  # fmt: skip
     assert dataclasses.asdict(summary.SloSetting("t", 2, 1.5)) == {"name": "t", "ttft_x": 2,
                                                                    "itl_x": 1.5}  # fmt: skip
+
+
+def test_every_point_of_a_deployment_gets_its_own_prompts() -> None:
+    from pd_bench.runner import point_seed
+
+    seeds = {point_seed(0, w, x) for w in ("chat", "prefill-heavy", "calibration")
+             for x in (0.0, 0.5, 1.0)}  # fmt: skip
+    assert len(seeds) == 9
+    assert point_seed(0, "chat", 0.5) == point_seed(0, "chat", 0.5)

@@ -5,11 +5,10 @@ import math
 import pytest
 from pd_bench.latency import bucket_delta, cdf, histogram_quantile, percentile
 from pd_bench.slo import (
-    LinearFit,
     Req,
+    TtftProfile,
     Unloaded,
     attainment,
-    fit_line,
     goodput,
     goodput_interpolated,
     make_slo,
@@ -21,18 +20,24 @@ def req(prompt: int, ttft: float | None, itl: float | None, done: bool = True) -
     return Req(0.0, prompt, 16, ttft, itl, 1.0 if done else None, done)
 
 
-def test_fit_line_exact_and_degenerate() -> None:
-    assert fit_line([0, 1, 2], [1, 3, 5]) == LinearFit(1.0, 2.0)
-    assert fit_line([4, 4], [10, 20]) == LinearFit(15.0, 0.0)
-    # A falling fit is noise: the slope floors at 0 and the line goes through the mean.
-    assert fit_line([0, 10], [10, 0]) == LinearFit(5.0, 0.0)
+def flat(ms: float) -> TtftProfile:
+    return TtftProfile(((1, ms),))
+
+
+def test_ttft_profile_interpolates_and_never_falls() -> None:
+    p = TtftProfile.of([(1000, 500.0), (100, 60.0), (500, 40.0), (100, 50.0)])
+    # Sorted by length; a shorter prompt's higher TTFT carries forward; duplicates keep the max.
+    assert p.points == ((100, 60.0), (500, 60.0), (1000, 500.0))
+    assert p.at(32) == 60.0  # flat below the shortest
+    assert p.at(750) == 280.0
+    assert p.at(4000) == 500.0  # flat above the longest
     with pytest.raises(ValueError):
-        fit_line([], [])
+        TtftProfile.of([])
 
 
-def test_unloaded_fits_completed_requests_only() -> None:
+def test_unloaded_profiles_completed_requests_only() -> None:
     u = unloaded([req(100, 20, 5), req(300, 60, 7), req(200, None, None, done=False)])
-    assert u.ttft == LinearFit(0.0, 0.2)
+    assert u.ttft.points == ((100, 20), (300, 60))
     assert u.itl_ms == 6.0
     assert u.requests == 2
     with pytest.raises(ValueError):
@@ -40,8 +45,8 @@ def test_unloaded_fits_completed_requests_only() -> None:
 
 
 def test_slo_uses_the_best_deployment_per_prompt_length() -> None:
-    fast_short = Unloaded(LinearFit(10.0, 1.0), 8.0, 4)  # wins below 100 tokens
-    fast_long = Unloaded(LinearFit(60.0, 0.5), 5.0, 4)  # wins above
+    fast_short = Unloaded(TtftProfile(((0, 10.0), (100, 110.0), (200, 210.0))), 8.0, 4)
+    fast_long = Unloaded(TtftProfile(((0, 60.0), (200, 160.0))), 5.0, 4)
     slo = make_slo([fast_short, fast_long], ttft_x=2.0, itl_x=1.5)
     assert slo.ttft_ms(50) == 2.0 * 60.0
     assert slo.ttft_ms(200) == 2.0 * 160.0
@@ -56,7 +61,7 @@ def test_slo_uses_the_best_deployment_per_prompt_length() -> None:
 
 
 def test_attainment_counts_unfinished_requests_as_misses() -> None:
-    slo = make_slo([Unloaded(LinearFit(10.0, 0.0), 10.0, 2)], 1.0, 1.0)
+    slo = make_slo([Unloaded(flat(10.0), 10.0, 2)], 1.0, 1.0)
     reqs = [req(1, 5, 5), req(1, 5, 5), req(1, 50, 5), req(1, None, None, done=False)]
     assert attainment(reqs, slo) == 0.5
     assert attainment([], slo) == 0.0
