@@ -49,7 +49,8 @@ def test_runner_smoke(tmp_path: Path) -> None:
 
     rep = report["summary"]["per_repeat"][0]
     unloaded = rep["unloaded"]["pd-tcp-t0"]
-    assert unloaded["itl_ms"] > 0 and unloaded["ttft_ms_by_prompt"][0][0] == 32
+    # The short calibration prompts: 32 tokens of text plus the chat template.
+    assert unloaded["itl_ms"] > 0 and 32 <= unloaded["ttft_ms_by_prompt"][0][0] < 48
     dep = rep["workloads"]["bursty"]["deployments"]["pd-tcp-t0"]
     for slo in ("tight-itl", "relaxed"):
         assert len(dep["curve"][slo]) == 1 and 0 <= dep["curve"][slo][0][1] <= 1
