@@ -126,6 +126,7 @@ class Benchmark:
     start: float
     end: float
     requests: tuple[Req, ...]
+    errors: tuple[str, ...] = ()  # what guidellm recorded for each errored request
 
 
 def _req(r: dict[str, Any], completed: bool) -> Req:
@@ -153,6 +154,7 @@ def benchmarks(report: dict[str, Any]) -> list[Benchmark]:
             records += [_req(r, False) for r in reqs.get(bucket, [])]
         records.sort(key=lambda r: r.start)
         strategy = b["config"]["strategy"]["type_"]
+        errors = tuple(str(r["info"].get("error") or "")[:300] for r in reqs.get("errored", []))
         out.append(Benchmark(strategy, float(b["start_time"]), float(b["end_time"]),
-                             tuple(records)))  # fmt: skip
+                             tuple(records), errors))  # fmt: skip
     return out

@@ -145,13 +145,15 @@ class DeploymentRun:
         point = {
             "workload": workload, "x": x, "start": b.start, "end": b.end,
             "wall_s": round(time.time() - t0, 2), "requests": req_rows(b.requests),
-            "router_itl_buckets": bucket_delta(after, before), **extra,
+            "router_itl_buckets": bucket_delta(after, before), "request_errors": list(b.errors),
+            **extra,
         }  # fmt: skip
         if canary is not None:
             point["canary"] = stream_rows(streams)
         self.record["points"].append(point)
+        first_error = f"; errors: {b.errors[0]}" if b.errors else ""
         log(self.s, f"   {workload} @ {x}: {done}/{len(b.requests)} completed, "
-                    f"{time.time() - t0:.0f} s")  # fmt: skip
+                    f"{time.time() - t0:.0f} s{first_error}")  # fmt: skip
         wait_idle([w["url"] for w in self.workers])
 
     def run(self) -> dict[str, Any]:

@@ -85,14 +85,14 @@ class Bursty:
 PREFILL_HEAVY = Synthetic(
     "prefill-heavy",
     Lengths(1536, None, 1024, 2048, 160, None, 64, 256),
-    rates=(0.25, 0.35, 0.5, 0.7, 1.0),
+    rates=(0.25, 0.4, 0.6, 0.9),
     fixed=1,
 )
 CHAT = Synthetic(
     "chat",
     Lengths(256, 64, 128, 384, 256, 64, 128, 384),
-    rates=(0.5, 1.0, 1.5, 2.0, 3.0),
-    fixed=2,
+    rates=(0.75, 1.5, 2.25, 3.0),
+    fixed=1,
 )
 BURSTY = Bursty(
     "bursty",
