@@ -1,4 +1,8 @@
-"""Engine: the step loop tying Scheduler, ModelRunner and output processing together."""
+"""Engine: the step loop tying Scheduler, ModelRunner and the role hooks together.
+
+Its outputs are token ids: text and stop strings are made where output leaves the system
+(``output_processor.py``: the router, the offline ``LLM``), as in vLLM v1.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,10 @@ import torch
 
 from tandem.engine.builder import EngineParts, build_engine_parts
 from tandem.engine.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, EngineStats
+from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -42,9 +45,9 @@ class Engine:
         self.kv = parts.kv
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.copier = parts.copier
         self.hooks: RoleHooks = hooks or ColocatedHooks()
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -132,15 +135,9 @@ class Engine:
 
     def enqueue(self, req: Request) -> None:
         """Queue a built request, after the role's ``on_admit`` accepted it (ValueError: nothing
-        is queued). A decode-side request (kv_transfer_params set) already holds the prefill's
-        first token; its detokenizer consumes it silently, because the prefill worker already
-        streamed that text from the same detokenizer state."""
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        if req.output_token_ids:
-            detok.append(req.output_token_ids)
+        is queued)."""
         self.hooks.on_admit(req)
         self._requests[req.request_id] = req
-        self._detok[req.request_id] = detok
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
@@ -163,7 +160,13 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler
         outputs = self._finals(self.hooks.before_step(sched))
+        outputs += self._finals(self._finish_host_loads())
         out = sched.schedule()
+        if self.copier is not None and self.kv.tier is not None:
+            # Before the connector or the forward pass may write blocks this step reused.
+            self.copier.submit(self.kv.tier.take_ops())
+            if out.loads:
+                self.copier.wait_offloads()
         outputs += self._finals(self.hooks.on_scheduled(sched, out))
         if out.is_empty:
             return outputs
@@ -178,27 +181,23 @@ class Engine:
             outputs.append(self._process(req, result.logprobs.get(req.request_id)))
         return outputs
 
+    def _finish_host_loads(self) -> list[Request]:
+        if self.copier is None:
+            return []
+        ended = []
+        for res in self.copier.poll():
+            req = self.scheduler.finish_host_load(res.request_id, res.bad_host_blocks)
+            if req is not None:
+                ended.append(req)
+        return ended
+
     def _finals(self, ended: list[Request]) -> list[EngineOutput]:
         return [self._final(r) for r in ended if r.request_id in self._requests]
 
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
         token = req.output_token_ids[-1]
         self.num_generation_tokens += 1
-        detok = self._detok[req.request_id]
-        step = detok.append([token])
-        text = step.text_delta
-        if step.stop_str is not None:
-            req.stop_reason = step.stop_str
-            if not req.is_finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            else:
-                # A stop string outranks length/EOS ending on the same token.
-                self.scheduler.release_pinned(req.request_id)
-                req.status = RequestStatus.FINISHED_STOPPED
-        elif req.is_finished and req.status != RequestStatus.FINISHED_REMOTE_DECODE:
-            # Remote decode: the decode worker's detokenizer continues from the same state.
-            text += detok.finish()
-        out = _output(req, [token], text, [logprobs] if logprobs is not None else [])
+        out = _output(req, [token], [logprobs] if logprobs is not None else [])
         if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
             self.hooks.on_handoff(req, out)
         if req.is_finished:
@@ -207,44 +206,64 @@ class Engine:
 
     def _final(self, req: Request) -> EngineOutput:
         self._forget(req)
-        return _output(req, [], "", [])
+        return _output(req, [], [])
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
 
     # ---- observability ------------------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
     def stats(self) -> EngineStats:
+        sched, tier, copier = self.scheduler, self.kv.tier, self.copier
         return EngineStats(
-            num_running=len(self.scheduler.running) + len(self.scheduler.loading),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running) + len(sched.loading),
+            num_waiting=len(sched.waiting),
             kv_usage=self.pool.usage,
             num_free_blocks=self.pool.num_free_blocks,
             prefix_queried_tokens=self.kv.queried_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+            num_preemptions=sched.num_preemptions,
+            num_swap_preemptions=sched.num_swap_preemptions,
+            host_tier=None if tier is None or copier is None else HostTierStats(
+                num_blocks=tier.host.num_blocks,
+                usage=tier.host.usage,
+                hit_tokens=self.kv.host_hit_tokens,
+                offloaded_blocks=tier.num_offloaded,
+                loaded_blocks=tier.num_loaded,
+                integrity_failures=tuple((r.value, n) for r, n in copier.failures.items()),
+            ),
+        )  # fmt: skip
 
     def check_integrity(self) -> None:
+        """Both pools' accounting; with a host tier also: the scheduler's loading requests are
+        exactly the connector's and the tier's loads, and every cached host block is tagged
+        with its hash in the copier."""
         self.kv.check_integrity()
+        tier = self.kv.tier
+        if tier is None or self.copier is None:
+            return
+        loading = self.scheduler.loading
+        waiting = {r for r, q in loading.items() if q.status == RequestStatus.WAITING_FOR_HOST_KV}
+        if not waiting <= tier.loading_ids <= loading.keys():
+            raise AssertionError("the scheduler's host loads disagree with the host tier's")
+        tags = self.copier.tags
+        for block in tier.host.blocks:
+            if block.block_hash is not None and tags[block.block_id] != block.block_hash:
+                raise AssertionError(f"host block {block.block_id} is not tagged with its hash")
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.layout.block_size)
 
 
-def _output(
-    req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprobs]
-) -> EngineOutput:
+def _output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineOutput:
     """A request's step output: its delta plus its state (finish reason, counts, error)."""
     return EngineOutput(
         request_id=req.request_id,
         group_id=req.group_id,
         index=req.group_index,
         new_token_ids=tokens,
-        text_delta=text,
         finished=req.is_finished,
         finish_reason=req.status.finish_reason,
         stop_reason=req.stop_reason,
