@@ -46,7 +46,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     a("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     a("--budgets", type=_ints, default=(128, 256, 512, 2048), help="colocated token budgets")
     a("--colo2-budget", type=int, default=512, help="token budget of each colo2 worker")
-    a("--thresholds", type=_ints, default=(0, 256), help="P/D --local-prefill-threshold values")
+    a("--thresholds", type=_ints, default=(0, 64),
+      help="P/D --local-prefill-threshold values (64: the operator's default)")  # fmt: skip
     a("--transports", default="tcp,ucx")
     a("--cpus", default="0,1", help="the two worker cores")
     a(
