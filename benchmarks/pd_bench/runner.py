@@ -28,6 +28,7 @@ from pd_bench import guidellm_driver as gd
 from pd_bench.canary import Canary, Stream
 from pd_bench.deployments import DeploymentSpec
 from pd_bench.latency import bucket_delta
+from pd_bench.slo import REQ_FIELDS
 from pd_bench.workloads import CALIBRATION, Bursty, Synthetic, bursty_trace, write_trace
 from tandem.up import UpConfig
 
@@ -38,7 +39,6 @@ SAMPLED = (
     "tandem_generation_tokens_total", "tandem_preemptions_total",
 )  # fmt: skip
 ROUTER_ITL = "tandem_inter_token_latency_seconds"
-REQ_FIELDS = ("start", "prompt_tokens", "output_tokens", "ttft_ms", "itl_ms", "e2e_s", "completed")
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +34,10 @@ class Req:
     itl_ms: float | None
     e2e_s: float | None
     completed: bool
+
+
+# The column order of a request row in the runner's JSON.
+REQ_FIELDS = tuple(f.name for f in fields(Req))
 
 
 @dataclass(slots=True, frozen=True)

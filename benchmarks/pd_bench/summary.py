@@ -9,8 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_bench.latency import histogram_quantile, percentile
-from pd_bench.runner import REQ_FIELDS
-from pd_bench.slo import Req, Slo, Unloaded, attainment, goodput, goodput_interpolated, make_slo
+from pd_bench.slo import (
+    REQ_FIELDS,
+    Req,
+    Slo,
+    Unloaded,
+    attainment,
+    goodput,
+    goodput_interpolated,
+    make_slo,
+)
 from pd_bench.slo import unloaded as fit_unloaded
 
 
@@ -60,6 +68,34 @@ def fixed_stats(point: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def worker_stats(metrics: dict[str, Any], start: float, end: float) -> dict[str, Any]:
+    """Per worker over [start, end] from the sampled series: the deepest queue, the highest KV
+    usage, and the KV bytes moved and mean seconds per transfer (counter deltas)."""
+    out: dict[str, Any] = {}
+    for name, series in metrics.items():
+        if name == "router":
+            continue
+        rows = [v for t, v in zip(series["times"], series["values"], strict=True)
+                if start <= t <= end]  # fmt: skip
+        if not rows:
+            continue
+
+        def delta(key: str, rows: list[dict[str, float]] = rows) -> float:
+            return rows[-1].get(key, 0.0) - rows[0].get(key, 0.0)
+
+        n = delta("tandem_kv_transfer_seconds_count")
+        out[name] = {
+            "max_waiting": max(r.get("tandem_requests_waiting", 0.0) for r in rows),
+            "max_running": max(r.get("tandem_requests_running", 0.0) for r in rows),
+            "max_kv_usage": round(max(r.get("tandem_kv_cache_usage_ratio", 0.0) for r in rows), 4),
+            "kv_transfer_bytes": delta("tandem_kv_transfer_bytes_total"),
+            "kv_transfer_mean_ms": round(delta("tandem_kv_transfer_seconds_sum") / n * 1e3, 2)
+            if n > 0 else None,
+            "preemptions": delta("tandem_preemptions_total"),
+        }  # fmt: skip
+    return out
+
+
 def _best(goodputs: dict[str, float], kinds: dict[str, str], want: tuple[str, ...]) -> str | None:
     cands = [(g, d) for d, g in goodputs.items() if kinds[d] in want]
     return max(cands)[1] if cands else None
@@ -105,6 +141,9 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
             at = [p for p in pts if abs(p["x"] - fixed.get(w, math.nan)) < 1e-9]
             if at:
                 d["fixed"] = fixed_stats(at[0])
+                if rec.get("metrics"):
+                    d["fixed"]["workers"] = worker_stats(rec["metrics"], at[0]["start"],
+                                                         at[0]["end"])  # fmt: skip
             if w == "bursty" and rec.get("canary_unloaded"):
                 un = [g * 1e3 for _, g in canary_gaps(rec["canary_unloaded"])]
                 d["canary_unloaded_itl_p99_ms"] = _r(percentile(un, 99), 2)

@@ -57,6 +57,10 @@ def test_runner_smoke(tmp_path: Path) -> None:
         assert slo in dep["goodput"] and slo in dep["goodput_interpolated"]
     assert set(FIXED_METRICS) <= set(dep["fixed"])
     assert dep["fixed"]["completed"] > 0 and dep["fixed"]["ttft_p50_ms"] > 0
+    workers = dep["fixed"]["workers"]
+    assert {n.split("-")[0] for n in workers} == {"prefill", "decode"}
+    decode_stats = next(v for n, v in workers.items() if n.startswith("decode"))
+    assert decode_stats["kv_transfer_bytes"] > 0 and decode_stats["kv_transfer_mean_ms"] > 0
     assert dep["canary_unloaded_itl_p99_ms"] > 0 and dep["canary_p99_vs_unloaded"] > 0
     for png in report["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -145,3 +145,27 @@ def test_every_point_of_a_deployment_gets_its_own_prompts() -> None:
              for x in (0.0, 0.5, 1.0)}  # fmt: skip
     assert len(seeds) == 9
     assert point_seed(0, "chat", 0.5) == point_seed(0, "chat", 0.5)
+
+
+def test_worker_stats_over_the_run_window() -> None:
+    def sample(waiting: float, nbytes: float, secs: float, count: float) -> dict:
+        return {
+            "tandem_requests_waiting": waiting,
+            "tandem_requests_running": 1.0,
+            "tandem_kv_cache_usage_ratio": 0.5,
+            "tandem_kv_transfer_bytes_total": nbytes,
+            "tandem_kv_transfer_seconds_sum": secs,
+            "tandem_kv_transfer_seconds_count": count,
+        }
+
+    metrics = {
+        "router": {"times": [1.0], "values": [{}]},
+        "decode-ab": {"times": [0.0, 1.0, 2.0, 3.0],
+                      "values": [sample(9, 0, 0, 0), sample(1, 100, 0.5, 1),
+                                 sample(3, 400, 0.8, 3), sample(7, 900, 2.0, 9)]},
+    }  # fmt: skip
+    ((name, stats),) = summary.worker_stats(metrics, 1.0, 2.0).items()
+    assert name == "decode-ab"
+    assert stats == {"max_waiting": 3, "max_running": 1.0, "max_kv_usage": 0.5,
+                     "kv_transfer_bytes": 300, "kv_transfer_mean_ms": 150.0,
+                     "preemptions": 0.0}  # fmt: skip
