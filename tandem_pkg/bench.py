@@ -13,6 +13,10 @@ can read, deleted afterwards.
         --data kind=synthetic_text,prompt_tokens=256,output_tokens=128 \\
         --constraint kind=max_duration,seconds=30 --output kind=json,path=bench.json
 
+guidellm's synthetic prompts depend only on its ``--seed`` (default 42): a second run with the same
+seed against the same server is served from its prefix cache. Vary ``--seed kind=static,value=N``
+between runs on one deployment.
+
 ``main(argv) -> int`` is called by ``tandem.cli``; it returns guidellm's exit code.
 """
 
