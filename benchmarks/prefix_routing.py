@@ -40,7 +40,8 @@ machine drifts). Prints a table and JSON (``--json`` adds every request's TTFT, 
 tokens).
 
     python benchmarks/prefix_routing.py --launch            # random Llama, 2 colocated workers
-    python benchmarks/prefix_routing.py --router-url http://127.0.0.1:8000 --model-dir DIR
+    TANDEM_CLUSTER_TOKEN=... python benchmarks/prefix_routing.py --router-url
+        http://127.0.0.1:8000 --internal-url http://127.0.0.1:8001 --model-dir DIR
 
 The code is the ``prefix_bench`` package beside this file.
 """

@@ -21,6 +21,7 @@ from types import TracebackType
 
 import httpx
 
+from tandem.engine.cluster_token import generate_token
 from tandem.up import (
     ProcessSpec,
     Supervisor,
@@ -98,12 +99,27 @@ class Deployment:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="tandem-bench-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ready_timeout_s = ready_timeout_s
-        self.specs = place(build_specs(config, iter(free_port, None)), self.placement)
+        # As `tandem up` does: a fresh cluster token, handed to the children by environment.
+        self.token = generate_token()
+        specs = build_specs(config, iter(free_port, None), token=self.token)
+        self.specs = place(specs, self.placement)
         self.supervisor = Supervisor(self.log_dir, out=lambda s: print(s, file=sys.stderr))
 
     @property
     def url(self) -> str:
         return self.specs[0].url
+
+    @property
+    def internal_url(self) -> str:
+        """The router's worker-facing listener (registry), behind the cluster token."""
+        internal = self.specs[0].internal_url
+        assert internal is not None
+        return internal
+
+    @property
+    def cluster_headers(self) -> dict[str, str]:
+        """Credentials for worker-facing routes (the registry, workers' /info and internal API)."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     def start(self) -> Deployment:
         if shutil.which("taskset") is None and any(s.argv[0] == "taskset" for s in self.specs):
@@ -117,7 +133,8 @@ class Deployment:
             self.supervisor.wait_until(lambda: _healthy(self.url),
                                        self.ready_timeout_s, "the router")  # fmt: skip
             self.supervisor.wait_until(
-                lambda: registered_roles(self.url) == want, self.ready_timeout_s,
+                lambda: registered_roles(self.internal_url, self.token) == want,
+                self.ready_timeout_s,
                 "every worker to register",
             )  # fmt: skip
         except BaseException:

@@ -33,10 +33,11 @@ def total(samples: Samples, name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
-def list_workers(router_url: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    return httpx.get(f"{router_url}/internal/workers", timeout=10, headers=headers).json()[
-        "workers"
-    ]
+def list_workers(internal_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """The registered workers, from the router's internal listener (cluster-token headers)."""
+    r = httpx.get(f"{internal_url}/internal/workers", timeout=10, headers=headers)
+    r.raise_for_status()
+    return r.json()["workers"]
 
 
 def histogram(samples: Samples, name: str) -> list[tuple[float, float]]:

@@ -110,7 +110,7 @@ class DeploymentRun:
         self.spec, self.dep, self.s, self.workdir = spec, dep, settings, workdir
         models = httpx.get(f"{dep.url}/v1/models", timeout=10).json()
         self.model = models["data"][0]["id"]
-        self.workers = list_workers(dep.url)
+        self.workers = list_workers(dep.internal_url, dep.cluster_headers)
         self.target = gd.Target(dep.url, self.model, settings.model_dir)
         self.record: dict[str, Any] = {"deployment": spec.name, "kind": spec.kind,
                                        "points": [], "errors": []}  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 from dataclasses import asdict
@@ -40,6 +41,9 @@ def launch(args: argparse.Namespace, policy: str) -> Deployment:
 def main(doc: str | None = None) -> int:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--router-url", default=None, help="measure a running router (one policy)")
+    p.add_argument("--internal-url", default=None,
+                   help="with --router-url: its internal (registry) listener; the cluster token "
+                   "comes from $TANDEM_CLUSTER_TOKEN")  # fmt: skip
     p.add_argument("--launch", action="store_true", help="run `tandem up` once per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--model-dir", default=None,
@@ -89,6 +93,8 @@ def main(doc: str | None = None) -> int:
         p.error("give --router-url or --launch")
     if args.router_url and not args.model_dir:
         p.error("--router-url needs --model-dir (the tokenizer for the oracle)")
+    if args.router_url and not (args.internal_url and os.environ.get("TANDEM_CLUSTER_TOKEN")):
+        p.error("--router-url needs --internal-url and $TANDEM_CLUSTER_TOKEN (the registry)")
     if args.model_dir is None:
         out = Path(tempfile.mkdtemp(prefix="tandem-chat-llama-"))
         args.model_dir = str(write_chat_llama(out, args.hidden, args.layers))
@@ -107,14 +113,23 @@ def main(doc: str | None = None) -> int:
                 print(f"== {policy} (run {rep + 1}/{args.repeats}): starting tandem up",
                       file=sys.stderr, flush=True)  # fmt: skip
                 with launch(args, policy) as up:
-                    run = measure(up.url, cfg, tokenizer, args.api_key)
+                    run = measure(up.url, up.internal_url, up.cluster_headers, cfg, tokenizer,
+                                  args.api_key)  # fmt: skip
                 runs[policy].append(run)
                 one = summarize([run], cfg.turns)
                 print(f"== {policy}: hit/oracle {one['hit_vs_oracle']}, TTFT p50 "
                       f"{one['ttft_p50_ms']} ms", file=sys.stderr, flush=True)  # fmt: skip
     else:
+        cluster = {"Authorization": f"Bearer {os.environ['TANDEM_CLUSTER_TOKEN']}"}
         runs["as-deployed"].append(
-            measure(args.router_url.rstrip("/"), cfg, tokenizer, args.api_key)
+            measure(
+                args.router_url.rstrip("/"),
+                args.internal_url.rstrip("/"),
+                cluster,
+                cfg,
+                tokenizer,
+                args.api_key,
+            )  # fmt: skip
         )
     results = {policy: summarize(rs, cfg.turns) for policy, rs in runs.items()}
     report: dict[str, Any] = {

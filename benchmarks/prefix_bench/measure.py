@@ -31,7 +31,7 @@ def worker_cache_counters(workers: list[dict[str, Any]]) -> dict[str, tuple[floa
     return out
 
 
-def warm_workers(workers: list[dict[str, Any]], tokens: int = 512) -> None:
+def warm_workers(workers: list[dict[str, Any]], cluster: dict[str, str], tokens: int = 512) -> None:
     """One request straight to each worker (internal API) so first-forward costs are not timed.
     Plain bytes without BOS: the prompt shares no block with the workload."""
     rng = random.Random(12345)
@@ -45,7 +45,8 @@ def warm_workers(workers: list[dict[str, Any]], tokens: int = 512) -> None:
             "kv_transfer_params": None,
             "remote_decode": False,
         }
-        with httpx.stream("POST", f"{w['url']}/v1/internal/generate", json=body, timeout=300) as r:
+        url = f"{w['url']}/v1/internal/generate"
+        with httpx.stream("POST", url, json=body, headers=cluster, timeout=300) as r:
             r.raise_for_status()
             for _ in r.iter_lines():
                 pass
@@ -64,17 +65,28 @@ class RunRecord:
     per_worker: dict[str, dict[str, int]]
 
 
-def measure(router_url: str, cfg: WorkloadConfig, tokenizer: Any, api_key: str | None) -> RunRecord:
-    """Warm the workers, run the workload once through ``router_url`` and diff the counters."""
+def measure(
+    router_url: str,
+    internal_url: str,
+    cluster: dict[str, str],
+    cfg: WorkloadConfig,
+    tokenizer: Any,
+    api_key: str | None,
+) -> RunRecord:
+    """Warm the workers, run the workload once through ``router_url`` and diff the counters.
+    ``internal_url`` is the router's registry listener; ``cluster`` the cluster-token headers."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     models = httpx.get(f"{router_url}/v1/models", headers=headers, timeout=10).json()
     model = models["data"][0]["id"]
-    workers = list_workers(router_url)
-    block_sizes = {httpx.get(f"{w['url']}/info", timeout=10).json()["block_size"] for w in workers}
+    workers = list_workers(internal_url, cluster)
+    block_sizes = {
+        httpx.get(f"{w['url']}/info", headers=cluster, timeout=10).json()["block_size"]
+        for w in workers
+    }
     if len(block_sizes) != 1:
         raise RuntimeError(f"workers disagree on block_size: {sorted(block_sizes)}")
     block_size = block_sizes.pop()
-    warm_workers(workers)
+    warm_workers(workers, cluster)
     before_w = worker_cache_counters(workers)
     before_r = scrape(f"{router_url}/metrics")
     t0 = time.perf_counter()
