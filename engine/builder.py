@@ -69,8 +69,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = torch.device(config.device)
     dtype = parse_dtype(config.dtype)
     backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
-    backend = get_backend(backend_name)
-    model = load_model(model_path, dtype, config.device, use_kernels=device.type == "cuda")
+    backend = get_backend(backend_name, cpu_kernels=config.cpu_kernels)
+    on_cuda = device.type == "cuda"
+    model = load_model(
+        model_path, dtype, config.device, use_kernels=on_cuda, cpu_kernels=config.cpu_kernels
+    )
     arch = model.cfg
     tokenizer = load_tokenizer(model_path)
     max_model_len = min(

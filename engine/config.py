@@ -55,3 +55,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     enforce_eager: bool = False  # disable CUDA graphs
+    # The CPU kernels (tandem.kernels.cpu_ops, built at first use) for float32 on CPU; False, or
+    # a machine where they cannot be built, keeps the PyTorch path.
+    cpu_kernels: bool = True

@@ -36,8 +36,23 @@ _F = ctypes.c_float
 _SIGNATURES: dict[str, list[Any]] = {
     "tandem_kv_cache_write_f32": [_P, _P, *[_I64] * 4, _P, _P, *[_I64] * 6, _P, *[_I] * 5],
     "tandem_paged_attention_f32": [
-        _P, _I64, _I64, _P, _P, *[_I64] * 6, _P, _I64, _P, _P, *[_I] * 6, _F, _I, _P,
-        _I64, _I64, _I,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        *[_I64] * 6,
+        _P,
+        _I64,
+        _P,
+        _P,
+        *[_I] * 6,
+        _F,
+        _I,
+        _P,
+        _I64,
+        _I64,
+        _I,
     ],  # fmt: skip
     "tandem_rms_norm_f32": [_P, _I64, _P, _I64, _P, _F, _P, _I64, _P, _I64, _I, _I, _I],
     "tandem_silu_and_mul_f32": [_P, _I64, _P, _I64, _I, _I, _I],
@@ -184,13 +199,13 @@ def cpu_rms_norm(
     new_res = None
     if residual is not None:
         check_shape(name, "residual", residual, tuple(x.shape))
+        residual = residual.contiguous()
         new_res = torch.empty_like(x)
+    res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), x.shape[1])
+    new_ptr, new_stride = (None, 0) if new_res is None else (new_res.data_ptr(), x.shape[1])
     _get().rms_norm(
-        x.data_ptr(), x.stride(0),
-        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-        weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
-        None if new_res is None else new_res.data_ptr(), 0 if new_res is None else new_res.stride(0),
-        x.shape[0], x.shape[1], _threads(),
+        x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(), eps, out.data_ptr(),
+        out.stride(0), new_ptr, new_stride, x.shape[0], x.shape[1], _threads(),
     )  # fmt: skip
     return out, new_res
 
