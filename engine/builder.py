@@ -14,7 +14,7 @@ import torch
 
 from tandem.engine.attention import get_backend
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_layout import KVLayout, dtype_name
 from tandem.engine.model_path import resolve_model_path
@@ -94,6 +94,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     sched_cfg = config.scheduler
     if sched_cfg.max_model_len != max_model_len:
         sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    check_unchunked_budget(sched_cfg)
     runner = ModelRunner(model, backend, layout, device)
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
         _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
@@ -111,6 +112,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         scheduler=Scheduler(sched_cfg, kv),
         runner=runner,
     )
+
+
+def check_unchunked_budget(cfg: SchedulerConfig) -> None:
+    """Without chunked prefill a prompt runs in one step, so a prompt longer than the step's token
+    budget could never be admitted and would wait forever: refuse the configuration (as vLLM
+    does) rather than accept requests that never finish."""
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+        raise ValueError(
+            f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
+            f"{cfg.max_num_batched_tokens} < {cfg.max_model_len}: a longer prompt could never be "
+            "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
 
 
 def _kv_budget(cache: CacheConfig, device: torch.device) -> int:
