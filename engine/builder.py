@@ -22,6 +22,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
 from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
 from tandem.engine.scheduler import Scheduler
+from tandem.kernels import cpu_ops
 
 
 @dataclass(slots=True)
@@ -98,6 +99,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, backend, layout, device)
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
         _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
+    fused_ok = backend_name == "torch" and config.cpu_kernels and not config.enforce_eager
+    if device.type == "cpu" and fused_ok and cpu_ops.available():
+        from tandem.engine.cpu_forward import CpuForward
+
+        runner.cpu_forward = CpuForward.build(
+            model, runner.kv_cache, sched_cfg.max_num_batched_tokens
+        )
     return EngineParts(
         config=config,
         model_path=model_path,

@@ -6,6 +6,7 @@ It owns the KV cache tensor, allocated from the engine's ``KVLayout`` (see kv_la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from tandem.engine.kv_layout import KVLayout
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.sampler import Sampler, SamplingRow
+
+if TYPE_CHECKING:
+    from tandem.engine.cpu_forward import CpuForward
 
 
 @dataclass(slots=True)
@@ -45,6 +49,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # CPU, float32: the whole step in one C call (engine/cpu_forward.py), set by the builder.
+        self.cpu_forward: CpuForward | None = None
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host).
@@ -116,6 +122,8 @@ class ModelRunner:
         inputs = inputs or self.prepare(out)
         if self.graphs is not None and self.graphs.accepts(inputs.meta):
             hidden = self.graphs.run(inputs)
+        elif self.cpu_forward is not None and self.cpu_forward.accepts(inputs):
+            hidden = self.cpu_forward.run(inputs)
         else:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend

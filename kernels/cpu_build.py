@@ -29,9 +29,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "cpu_forward.cpp")
+HEADERS = (_HERE / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 1
+ABI_VERSION = 3
 DISABLE_ENV = "TANDEM_CPU_KERNELS"
 _BUILD_TIMEOUT_S = 300
 
@@ -75,7 +77,8 @@ def library_path(compiler: str) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"{compiler} --version failed: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
+    sources = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    for part in (*sources, version.encode(), " ".join(FLAGS).encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_identity().encode())
@@ -83,13 +86,13 @@ def library_path(compiler: str) -> Path:
 
 
 def build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into target (atomically: a temporary file renamed into place)."""
+    """Compile SOURCES into target (atomically: a temporary file renamed into place)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=_BUILD_TIMEOUT_S,
@@ -99,7 +102,7 @@ def build(compiler: str, target: Path) -> None:
             raise BuildError(f"{Path(compiler).name} exited {proc.returncode}: {first}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise BuildError(f"compiling {SOURCE.name} failed: {exc}") from exc
+        raise BuildError(f"compiling the CPU kernels failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -2,8 +2,8 @@
 // write, RMSNorm with the residual add, SiLU-and-mul and the rotary embedding.
 //
 // Built at first use by tandem/kernels/cpu_build.py (g++ -O3 -fopenmp, cached per source, compiler
-// and CPU) and called through ctypes by tandem/kernels/cpu_ops.py, whose checked wrappers are the
-// only callers. Each function is held by tests/kernels to its PyTorch reference in
+// and CPU) together with cpu_forward.cpp (the fused decoder forward, which calls these), and called
+// through ctypes by tandem/kernels/cpu_ops.py, whose checked wrappers are the only callers. Each function is held by tests/kernels to its PyTorch reference in
 // tandem/kernels/refs.py. Plain C ABI, raw pointers and element strides: no torch headers, so a
 // build takes a second or two instead of the minute a torch extension needs.
 //
@@ -16,6 +16,8 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "cpu_kernels.h"
 
 namespace {
 
@@ -44,15 +46,38 @@ struct Item {
 
 extern "C" {
 
-int tandem_cpu_abi_version() { return 1; }
+int tandem_cpu_abi_version() { return 3; }
+
+// 0, or 1 + the first sequence whose attention metadata would read outside the cache or out of
+// order (see tandem_paged_attention_f32).
+int tandem_check_attention_meta(const int32_t* block_tables, int64_t bt_stride, int max_blocks,
+                                int num_blocks, const int32_t* qsl, const int32_t* seq_lens,
+                                int num_seqs, int num_tokens, int block_size) {
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
+    const int64_t len = seq_lens[s];
+    if (lo < 0 || hi < lo || hi > num_tokens) return 1 + s;
+    if (len < 0 || (len > 0 && hi - lo > len) || len > static_cast<int64_t>(max_blocks) * block_size)
+      return 1 + s;
+    const int32_t* row = block_tables + s * bt_stride;
+    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b)
+      if (row[b] < 0 || row[b] >= num_blocks) return 1 + s;
+  }
+  return 0;
+}
+
 
 // Write k[t], v[t] ([T, H, D], strides in elements) to slot slot_mapping[t] of the caches
-// ([blocks, block_size, H, D]); slot < 0 is padding and is skipped.
-void tandem_kv_cache_write_f32(const float* k, const float* v, int64_t k_st, int64_t k_sh,
+// ([blocks, block_size, H, D]); slot < 0 is padding and is skipped. Returns 0, or 1 + the first
+// token whose slot is beyond num_slots (then nothing is written).
+int tandem_kv_cache_write_f32(const float* k, const float* v, int64_t k_st, int64_t k_sh,
                                int64_t v_st, int64_t v_sh, float* k_cache, float* v_cache,
                                int64_t kc_b, int64_t kc_s, int64_t kc_h, int64_t vc_b,
-                               int64_t vc_s, int64_t vc_h, const int64_t* slots, int num_tokens,
-                               int num_heads, int head_dim, int block_size, int num_threads) {
+                               int64_t vc_s, int64_t vc_h, const int64_t* slots,
+                               int64_t num_slots, int num_tokens, int num_heads, int head_dim,
+                               int block_size, int num_threads) {
+  for (int t = 0; t < num_tokens; ++t)
+    if (slots[t] >= num_slots) return 1 + t;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens > 64) schedule(static)
   for (int t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t];
@@ -65,6 +90,7 @@ void tandem_kv_cache_write_f32(const float* k, const float* v, int64_t k_st, int
                   sizeof(float) * head_dim);
     }
   }
+  return 0;
 }
 
 // Causal attention over the paged cache for packed query rows.
@@ -73,14 +99,20 @@ void tandem_kv_cache_write_f32(const float* k, const float* v, int64_t k_st, int
 //   Row at position p attends to keys j <= p, and with window > 0 only to p - j < window.
 //   Rows of no sequence (t >= qsl[num_seqs]) and sequences of length 0 come back zero.
 // Online softmax in fp32, exp via expf; GQA reads each KV head once for its `group` query heads.
-void tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const float* k_cache,
+// Returns 0, or (nothing read or written) 1 + the first sequence whose metadata is inconsistent:
+// query rows not increasing or beyond num_tokens, more rows than seq_len, seq_len beyond its
+// block-table row (max_blocks entries), or a block id outside [0, num_blocks).
+int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const float* k_cache,
                                 const float* v_cache, int64_t kc_b, int64_t kc_s, int64_t kc_h,
                                 int64_t vc_b, int64_t vc_s, int64_t vc_h,
-                                const int32_t* block_tables, int64_t bt_stride,
-                                const int32_t* qsl, const int32_t* seq_lens, int num_seqs,
-                                int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int window, float* out, int64_t o_st,
-                                int64_t o_sh, int num_threads) {
+                                const int32_t* block_tables, int64_t bt_stride, int max_blocks,
+                                int num_blocks, const int32_t* qsl, const int32_t* seq_lens,
+                                int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, int window, float* out,
+                                int64_t o_st, int64_t o_sh, int num_threads) {
+  const int bad = tandem_check_attention_meta(block_tables, bt_stride, max_blocks, num_blocks,
+                                              qsl, seq_lens, num_seqs, num_tokens, block_size);
+  if (bad) return bad;
   const int group = num_heads / num_kv_heads;
   const int D = head_dim;
   std::vector<Item> items;
@@ -180,6 +212,7 @@ void tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, cons
         }
     }
   }
+  return 0;
 }
 
 // RMSNorm of x [T, H] (row stride x_st), or of x + residual, times weight [H]. With a residual
@@ -220,9 +253,13 @@ void tandem_silu_and_mul_f32(const float* x, int64_t x_st, float* out, int64_t o
 
 // Neox-style rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (strides in elements)
 // over the first rot_dim dims, cos_sin [max_pos, rot_dim] (cos then sin), positions [T].
-void tandem_rotary_f32(const int64_t* positions, float* q, int64_t q_st, int64_t q_sh, float* k,
-                       int64_t k_st, int64_t k_sh, const float* cos_sin, int rot_dim,
-                       int num_tokens, int num_q_heads, int num_k_heads, int num_threads) {
+// Returns 0, or 1 + the first token whose position is outside [0, max_pos) (nothing rotated).
+int tandem_rotary_f32(const int64_t* positions, float* q, int64_t q_st, int64_t q_sh, float* k,
+                      int64_t k_st, int64_t k_sh, const float* cos_sin, int64_t max_pos,
+                      int rot_dim, int num_tokens, int num_q_heads, int num_k_heads,
+                      int num_threads) {
+  for (int t = 0; t < num_tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= max_pos) return 1 + t;
   const int half = rot_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens > 16) schedule(static)
   for (int t = 0; t < num_tokens; ++t) {
@@ -245,6 +282,7 @@ void tandem_rotary_f32(const int64_t* positions, float* q, int64_t q_st, int64_t
       }
     }
   }
+  return 0;
 }
 
 }  // extern "C"

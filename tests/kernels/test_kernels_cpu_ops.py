@@ -182,12 +182,12 @@ def test_wrappers_refuse_bad_arguments_before_touching_memory() -> None:
     with pytest.raises(ValueError, match="out must have shape"):
         attn(q, k_cache, v_cache, tables, lens, 1.0, out=q[:1])
     k = torch.randn((2, 2, 64))
-    with pytest.raises(ValueError, match="beyond the cache"):
+    with pytest.raises(ValueError, match="a slot is beyond the cache at token 1"):
         cpu_ops.cpu_kv_cache_write(k, k, k_cache, v_cache, torch.tensor([0, 16 * 16]))
     with pytest.raises(ValueError, match="slot_mapping must have dtype"):
         cpu_ops.cpu_kv_cache_write(k, k, k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32))
     cache = compute_cos_sin_cache(64, 10000.0, 8, None)
-    with pytest.raises(ValueError, match="outside the cache"):
+    with pytest.raises(ValueError, match="outside the cos/sin table at token 1"):
         cpu_ops.cpu_rotary_embedding(torch.tensor([0, 8]), k.clone(), k.clone(), cache)
     with pytest.raises(ValueError, match="stride 1"):
         cpu_ops.cpu_silu_and_mul(torch.randn((4, 8)).t())
@@ -246,7 +246,7 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(
     assert cpu_build.library_path(compiler) == path  # same inputs, same file: no rebuild
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DTANDEM_OTHER"))
     assert cpu_build.library_path(compiler) != path
-    monkeypatch.setattr(cpu_build, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setattr(cpu_build, "SOURCES", (tmp_path / "broken.cpp",))
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     with pytest.raises(cpu_build.BuildError, match="exited"):
         cpu_build.build(compiler, tmp_path / "broken.so")
