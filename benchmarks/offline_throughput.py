@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from tandem.engine.models.loader import read_hf_config, resolve_model_path
+    from tandem.engine.model_path import resolve_model_path
+    from tandem.engine.models.loader import read_hf_config
 
     if args.model == "random-llama":
         args.model = write_random_llama(args.hidden_size, args.num_layers)

@@ -12,17 +12,20 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 
 namespace {
 
 constexpr int kQueryTile = 16;  // query rows of one sequence handled together (extend)
-constexpr int kKeyChunk = 32;   // keys scored before each online-softmax update
 
 inline float dot(const float* a, const float* b, int n) {
   float acc = 0.f;
@@ -31,9 +34,27 @@ inline float dot(const float* a, const float* b, int n) {
   return acc;
 }
 
-inline int64_t cache_offset(const int32_t* bt_row, int64_t pos, int block_size, int64_t s_b,
-                            int64_t s_s) {
-  return static_cast<int64_t>(bt_row[pos / block_size]) * s_b + (pos % block_size) * s_s;
+// exp(x) for x <= 0 (softmax numerators), within 2 ulp, written so a loop over it vectorizes
+// (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits; n is
+// rounded with the 1.5 * 2^23 trick, which needs no floor instruction).
+inline float exp_neg(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float n = shifted - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, 4);  // the low mantissa bits of `shifted` hold n
+  const int32_t e = (bits - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
 }
 
 // One work item: query rows [r0, r1) of one sequence (absolute positions ctx + r) for the
@@ -41,6 +62,162 @@ inline int64_t cache_offset(const int32_t* bt_row, int64_t pos, int block_size, 
 struct Item {
   int seq, kvh, r0, r1;
 };
+
+// out[j] = q . k_j for the n keys at k + j * k_stride. With AVX2 and D a multiple of 8, eight
+// keys at a time, reduced together (one horizontal tree for eight dot products, not eight).
+template <int kD>
+inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_stride, int n,
+                       float* out) {
+  const int D = kD > 0 ? kD : head_dim;
+  int j = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; j + 8 <= n; j += 8) {
+      const float* kj = k + j * k_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+             a7 = a0;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + k_stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 2 * k_stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 3 * k_stride + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 4 * k_stride + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 5 * k_stride + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 6 * k_stride + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 7 * k_stride + d), a7);
+      }
+      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+      const __m256 lo = _mm256_permute2f128_ps(t0, t1, 0x20);
+      const __m256 hi = _mm256_permute2f128_ps(t0, t1, 0x31);
+      _mm256_storeu_ps(out + j, _mm256_add_ps(lo, hi));
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float* kr = k + j * k_stride;
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int d = 0; d < D; ++d) a += q[d] * kr[d];
+    out[j] = a;
+  }
+}
+
+struct AttnTile {
+  const float* q;
+  int64_t q_st, q_sh;
+  float scale;
+  int group, head_dim;
+  Item w;
+  int64_t pos_offset;  // row r sits at position r + pos_offset
+};
+
+// Online-softmax attention of one tile's M = rows x group query vectors over its keys, one cache
+// block at a time (no per-key division); leaves the unnormalised output in acc and the running
+// max / denominator in m_i / l_i. D is a template parameter for the common head dims so the dot
+// products and the value accumulation unroll fully.
+template <int kD>
+void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b,
+                   int64_t kc_s, int64_t vc_b, int64_t vc_s, const int32_t* bt, int bs,
+                   int window, float* qbuf, float* acc, float* m_i, float* l_i, float* sc,
+                   int64_t* pos) {
+  const int D = kD > 0 ? kD : t.head_dim;
+  const int M = (t.w.r1 - t.w.r0) * t.group;
+  for (int r = t.w.r0; r < t.w.r1; ++r)
+    for (int g = 0; g < t.group; ++g) {
+      const int m = (r - t.w.r0) * t.group + g;
+      const float* src = t.q + r * t.q_st + (t.w.kvh * t.group + g) * t.q_sh;
+      for (int d = 0; d < D; ++d) qbuf[m * D + d] = src[d] * t.scale;
+      pos[m] = r + t.pos_offset;
+      m_i[m] = -INFINITY;
+      l_i[m] = 0.f;
+    }
+  std::fill(acc, acc + static_cast<size_t>(M) * D, 0.f);
+  const int64_t last = pos[M - 1], first_row = pos[0];  // rows in increasing position order
+  const int64_t first = window > 0 && first_row - window + 1 > 0 ? first_row - window + 1 : 0;
+  // Keys every row sees: [lo_all, hi_all]; outside it, per-row masks apply.
+  const int64_t hi_all = first_row;
+  const int64_t lo_all = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+  for (int64_t b = first / bs; b <= last / bs; ++b) {
+    const int64_t j0 = b * bs > first ? b * bs : first;
+    const int64_t j1 = (b + 1) * bs - 1 < last ? (b + 1) * bs - 1 : last;  // inclusive
+    const int n = static_cast<int>(j1 - j0 + 1);
+    const float* kb = kc + static_cast<int64_t>(bt[b]) * kc_b + (j0 - b * bs) * kc_s;
+    const float* vb = vc + static_cast<int64_t>(bt[b]) * vc_b + (j0 - b * bs) * vc_s;
+    if (b < last / bs) {
+      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for its
+      // K and V rows now, while this block is computed (the loop is memory-latency bound).
+      const float* kn = kc + static_cast<int64_t>(bt[b + 1]) * kc_b;
+      const float* vn = vc + static_cast<int64_t>(bt[b + 1]) * vc_b;
+      for (int j = 0; j < bs; j += 4) {
+        __builtin_prefetch(kn + j * kc_s);
+        __builtin_prefetch(vn + j * vc_s);
+      }
+    }
+    for (int m = 0; m < M; ++m) score_keys<kD>(qbuf + m * D, D, kb, kc_s, n, sc + m * bs);
+    if (j1 > hi_all || j0 < lo_all) {
+      for (int m = 0; m < M; ++m) {
+        const int64_t hi_m = pos[m], lo_m = window > 0 ? pos[m] - window + 1 : 0;
+        for (int j = 0; j < n; ++j)
+          if (j0 + j > hi_m || j0 + j < lo_m) sc[m * bs + j] = -INFINITY;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float* s = sc + m * bs;
+      float mx = m_i[m];
+#pragma omp simd reduction(max : mx)
+      for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+      if (mx == -INFINITY) {  // nothing visible in this block for this row
+        for (int j = 0; j < n; ++j) s[j] = 0.f;
+        continue;
+      }
+      const float alpha = exp_neg(m_i[m] - mx);
+      float l = 0.f;
+#pragma omp simd reduction(+ : l)
+      for (int j = 0; j < n; ++j) {
+        const float e = exp_neg(s[j] - mx);
+        s[j] = s[j] == -INFINITY ? 0.f : e;
+        l += s[j];
+      }
+      l_i[m] = l_i[m] * alpha + l;
+      m_i[m] = mx;
+      if (alpha != 1.f) {
+        float* a = acc + m * D;
+        for (int d = 0; d < D; ++d) a[d] *= alpha;
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* vr = vb + j * vc_s;
+      for (int m = 0; m < M; ++m) {
+        const float p = sc[m * bs + j];
+        float* a = acc + m * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p * vr[d];
+      }
+    }
+  }
+}
+
+void attend_tile(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b, int64_t kc_s,
+                 int64_t vc_b, int64_t vc_s, const int32_t* bt, int bs, int window, float* qbuf,
+                 float* acc, float* m_i, float* l_i, float* sc, int64_t* pos) {
+  switch (t.head_dim) {
+#define TANDEM_HEAD_DIM(n)                                                                     \
+  case n:                                                                                      \
+    return attend_tile_d<n>(t, kc, vc, kc_b, kc_s, vc_b, vc_s, bt, bs, window, qbuf, acc, m_i, \
+                            l_i, sc, pos);
+    TANDEM_HEAD_DIM(32)
+    TANDEM_HEAD_DIM(64)
+    TANDEM_HEAD_DIM(80)
+    TANDEM_HEAD_DIM(96)
+    TANDEM_HEAD_DIM(128)
+#undef TANDEM_HEAD_DIM
+    default:
+      return attend_tile_d<0>(t, kc, vc, kc_b, kc_s, vc_b, vc_s, bt, bs, window, qbuf, acc, m_i,
+                              l_i, sc, pos);
+  }
+}
 
 }  // namespace
 
@@ -138,71 +315,17 @@ int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const
   {
     const int max_m = kQueryTile * group;
     std::vector<float> qbuf(static_cast<size_t>(max_m) * D), acc(static_cast<size_t>(max_m) * D);
-    std::vector<float> m_i(max_m), l_i(max_m), sc(static_cast<size_t>(max_m) * kKeyChunk);
+    std::vector<float> m_i(max_m), l_i(max_m), sc(static_cast<size_t>(max_m) * block_size);
     std::vector<int64_t> pos(max_m);
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_items; ++it) {
       const Item w = items[it];
-      const int seq_len = seq_lens[w.seq];
       const int lo = qsl ? qsl[w.seq] : w.seq, hi = qsl ? qsl[w.seq + 1] : w.seq + 1;
-      const int ctx = seq_len - (hi - lo);
-      const int M = (w.r1 - w.r0) * group;
-      const int32_t* bt = block_tables + w.seq * bt_stride;
-      for (int r = w.r0; r < w.r1; ++r)
-        for (int g = 0; g < group; ++g) {
-          const int m = (r - w.r0) * group + g;
-          const float* src = q + r * q_st + (w.kvh * group + g) * q_sh;
-          for (int d = 0; d < D; ++d) qbuf[m * D + d] = src[d] * scale;
-          pos[m] = ctx + (r - lo);
-          m_i[m] = -INFINITY;
-          l_i[m] = 0.f;
-        }
-      std::fill(acc.begin(), acc.begin() + static_cast<size_t>(M) * D, 0.f);
-      const int64_t last = pos[M - 1];  // rows are in increasing position order
-      int64_t first = 0;
-      if (window > 0) first = pos[0] - window + 1 > 0 ? pos[0] - window + 1 : 0;
-      for (int64_t j0 = first; j0 <= last; j0 += kKeyChunk) {
-        const int n = static_cast<int>(last + 1 - j0 < kKeyChunk ? last + 1 - j0 : kKeyChunk);
-        for (int j = 0; j < n; ++j) {
-          const int64_t kp = j0 + j;
-          const float* kr = k_cache + cache_offset(bt, kp, block_size, kc_b, kc_s) + w.kvh * kc_h;
-          for (int m = 0; m < M; ++m) {
-            const bool ok = kp <= pos[m] && (window <= 0 || pos[m] - kp < window);
-            sc[m * kKeyChunk + j] = ok ? dot(qbuf.data() + m * D, kr, D) : -INFINITY;
-          }
-        }
-        for (int m = 0; m < M; ++m) {
-          float* s = sc.data() + m * kKeyChunk;
-          float mx = m_i[m];
-          for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-          if (mx == -INFINITY) {  // nothing visible in this chunk for this row
-            for (int j = 0; j < n; ++j) s[j] = 0.f;
-            continue;
-          }
-          const float alpha = std::exp(m_i[m] - mx);
-          float l = l_i[m] * alpha;
-          for (int j = 0; j < n; ++j) {
-            s[j] = s[j] == -INFINITY ? 0.f : std::exp(s[j] - mx);
-            l += s[j];
-          }
-          m_i[m] = mx;
-          l_i[m] = l;
-          float* a = acc.data() + m * D;
-          if (alpha != 1.f)
-            for (int d = 0; d < D; ++d) a[d] *= alpha;
-        }
-        for (int j = 0; j < n; ++j) {
-          const int64_t kp = j0 + j;
-          const float* vr = v_cache + cache_offset(bt, kp, block_size, vc_b, vc_s) + w.kvh * vc_h;
-          for (int m = 0; m < M; ++m) {
-            const float p = sc[m * kKeyChunk + j];
-            if (p == 0.f) continue;
-            float* a = acc.data() + m * D;
-#pragma omp simd
-            for (int d = 0; d < D; ++d) a[d] += p * vr[d];
-          }
-        }
-      }
+      const int64_t ctx = seq_lens[w.seq] - (hi - lo);
+      AttnTile tile{q, q_st, q_sh, scale, group, D, w, ctx - lo};
+      attend_tile(tile, k_cache + w.kvh * kc_h, v_cache + w.kvh * vc_h, kc_b, kc_s, vc_b, vc_s,
+                  block_tables + w.seq * bt_stride, block_size, window, qbuf.data(), acc.data(),
+                  m_i.data(), l_i.data(), sc.data(), pos.data());
       for (int r = w.r0; r < w.r1; ++r)
         for (int g = 0; g < group; ++g) {
           const int m = (r - w.r0) * group + g;
