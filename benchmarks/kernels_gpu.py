@@ -44,7 +44,7 @@ from tandem.kernels.rope_cache import compute_cos_sin_cache  # noqa: E402
 from tandem.kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-HIDDEN, INTER, VOCAB = 4096, 14336, 128256
+HIDDEN, INTER = 4096, 14336
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PARITY_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 

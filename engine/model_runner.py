@@ -5,6 +5,7 @@ It owns the KV cache tensor, allocated from the engine's ``KVLayout`` (see kv_la
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,9 +90,7 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(req.request_id)
-        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
-            block_tables[i, : len(s.request.block_ids)] = s.request.block_ids
+        block_tables = _block_tables([s.request.block_ids for s in out.scheduled], max_blocks)
         dev = self.device
         seq_lens = torch.tensor(slens, dtype=torch.int32)
         query_lens = torch.tensor(qlens, dtype=torch.int32)
@@ -149,6 +148,16 @@ class ModelRunner:
             result.sampled_token_ids[rid] = tok
             result.logprobs[rid] = lp
         return result
+
+
+def _block_tables(tables: list[list[int]], width: int) -> np.ndarray:
+    """[len(tables), width] int32, row i = tables[i] then zeros: one flat copy and one masked
+    store instead of a numpy slice assignment per row (a quarter of prepare() at 256 rows)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+    return out
 
 
 class DecodeGraphs:
