@@ -57,10 +57,11 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-// One work item: query rows [r0, r1) of one sequence (absolute positions ctx + r) for the
-// `group` query heads that share KV head kvh.
+// One work item: query rows [r0, r1) of one sequence (absolute positions ctx + r) for the query
+// heads of KV heads [h0, h1). All KV heads at once when there are enough items to go round the
+// threads: a position's K (and V) row of every head is then one contiguous read.
 struct Item {
-  int seq, kvh, r0, r1;
+  int seq, h0, h1, r0, r1;
 };
 
 // out[j] = q . k_j for the n keys at k + j * k_stride. With AVX2 and D a multiple of 8, eight
@@ -104,6 +105,31 @@ inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_s
   }
 }
 
+// acc[:D] += sum_j p[j] * v_j for the n value rows at v + j * v_stride. With D known at compile
+// time the accumulator lives in registers for the whole block instead of memory.
+template <int kD>
+inline void accumulate_values(const float* p, const float* v, int64_t v_stride, int n,
+                              float* __restrict acc, int head_dim) {
+  if constexpr (kD > 0 && kD <= 128) {
+    float a[kD];
+    for (int d = 0; d < kD; ++d) a[d] = acc[d];
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const float* vr = v + j * v_stride;
+#pragma omp simd
+      for (int d = 0; d < kD; ++d) a[d] += pj * vr[d];
+    }
+    for (int d = 0; d < kD; ++d) acc[d] = a[d];
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const float* vr = v + j * v_stride;
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
+    }
+  }
+}
+
 struct AttnTile {
   const float* q;
   int64_t q_st, q_sh;
@@ -119,22 +145,26 @@ struct AttnTile {
 // products and the value accumulation unroll fully.
 template <int kD>
 void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b,
-                   int64_t kc_s, int64_t vc_b, int64_t vc_s, const int32_t* bt, int bs,
+                   int64_t kc_s, int64_t kc_h, int64_t vc_b, int64_t vc_s, int64_t vc_h,
+                   const int32_t* bt, int bs,
                    int window, float* qbuf, float* acc, float* m_i, float* l_i, float* sc,
                    int64_t* pos) {
   const int D = kD > 0 ? kD : t.head_dim;
-  const int M = (t.w.r1 - t.w.r0) * t.group;
-  for (int r = t.w.r0; r < t.w.r1; ++r)
-    for (int g = 0; g < t.group; ++g) {
-      const int m = (r - t.w.r0) * t.group + g;
-      const float* src = t.q + r * t.q_st + (t.w.kvh * t.group + g) * t.q_sh;
-      for (int d = 0; d < D; ++d) qbuf[m * D + d] = src[d] * t.scale;
-      pos[m] = r + t.pos_offset;
-      m_i[m] = -INFINITY;
-      l_i[m] = 0.f;
-    }
+  const int Mh = (t.w.r1 - t.w.r0) * t.group;  // query vectors per KV head
+  const int nh = t.w.h1 - t.w.h0;
+  const int M = Mh * nh;
+  for (int h = 0; h < nh; ++h)
+    for (int r = t.w.r0; r < t.w.r1; ++r)
+      for (int g = 0; g < t.group; ++g) {
+        const int m = h * Mh + (r - t.w.r0) * t.group + g;
+        const float* src = t.q + r * t.q_st + ((t.w.h0 + h) * t.group + g) * t.q_sh;
+        for (int d = 0; d < D; ++d) qbuf[m * D + d] = src[d] * t.scale;
+        pos[m] = r + t.pos_offset;
+        m_i[m] = -INFINITY;
+        l_i[m] = 0.f;
+      }
   std::fill(acc, acc + static_cast<size_t>(M) * D, 0.f);
-  const int64_t last = pos[M - 1], first_row = pos[0];  // rows in increasing position order
+  const int64_t last = pos[Mh - 1], first_row = pos[0];  // rows in increasing position order
   const int64_t first = window > 0 && first_row - window + 1 > 0 ? first_row - window + 1 : 0;
   // Keys every row sees: [lo_all, hi_all]; outside it, per-row masks apply.
   const int64_t hi_all = first_row;
@@ -143,28 +173,34 @@ void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t 
     const int64_t j0 = b * bs > first ? b * bs : first;
     const int64_t j1 = (b + 1) * bs - 1 < last ? (b + 1) * bs - 1 : last;  // inclusive
     const int n = static_cast<int>(j1 - j0 + 1);
-    const float* kb = kc + static_cast<int64_t>(bt[b]) * kc_b + (j0 - b * bs) * kc_s;
-    const float* vb = vc + static_cast<int64_t>(bt[b]) * vc_b + (j0 - b * bs) * vc_s;
+    const float* kb0 = kc + static_cast<int64_t>(bt[b]) * kc_b + (j0 - b * bs) * kc_s;
+    const float* vb0 = vc + static_cast<int64_t>(bt[b]) * vc_b + (j0 - b * bs) * vc_s;
     if (b < last / bs) {
       // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for its
       // K and V rows now, while this block is computed (the loop is memory-latency bound).
-      const float* kn = kc + static_cast<int64_t>(bt[b + 1]) * kc_b;
-      const float* vn = vc + static_cast<int64_t>(bt[b + 1]) * vc_b;
-      for (int j = 0; j < bs; j += 4) {
+      const float* kn = kc + static_cast<int64_t>(bt[b + 1]) * kc_b + t.w.h0 * kc_h;
+      const float* vn = vc + static_cast<int64_t>(bt[b + 1]) * vc_b + t.w.h0 * vc_h;
+      for (int j = 0; j < bs; j += 2) {
         __builtin_prefetch(kn + j * kc_s);
         __builtin_prefetch(vn + j * vc_s);
       }
     }
-    for (int m = 0; m < M; ++m) score_keys<kD>(qbuf + m * D, D, kb, kc_s, n, sc + m * bs);
+    for (int h = 0; h < nh; ++h) {
+    const float* kb = kb0 + (t.w.h0 + h) * kc_h;
+    const float* vb = vb0 + (t.w.h0 + h) * vc_h;
+    float* sch = sc + static_cast<int64_t>(h) * Mh * bs;
+    const int mb = h * Mh;
+    for (int i = 0; i < Mh; ++i) score_keys<kD>(qbuf + (mb + i) * D, D, kb, kc_s, n, sch + i * bs);
     if (j1 > hi_all || j0 < lo_all) {
-      for (int m = 0; m < M; ++m) {
-        const int64_t hi_m = pos[m], lo_m = window > 0 ? pos[m] - window + 1 : 0;
+      for (int i = 0; i < Mh; ++i) {
+        const int64_t hi_m = pos[i], lo_m = window > 0 ? pos[i] - window + 1 : 0;
         for (int j = 0; j < n; ++j)
-          if (j0 + j > hi_m || j0 + j < lo_m) sc[m * bs + j] = -INFINITY;
+          if (j0 + j > hi_m || j0 + j < lo_m) sch[i * bs + j] = -INFINITY;
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float* s = sc + m * bs;
+    for (int i = 0; i < Mh; ++i) {
+      const int m = mb + i;
+      float* s = sch + i * bs;
       float mx = m_i[m];
 #pragma omp simd reduction(max : mx)
       for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
@@ -187,26 +223,21 @@ void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t 
         for (int d = 0; d < D; ++d) a[d] *= alpha;
       }
     }
-    for (int j = 0; j < n; ++j) {
-      const float* vr = vb + j * vc_s;
-      for (int m = 0; m < M; ++m) {
-        const float p = sc[m * bs + j];
-        float* a = acc + m * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * vr[d];
-      }
+    for (int i = 0; i < Mh; ++i)
+      accumulate_values<kD>(sch + i * bs, vb, vc_s, n, acc + (mb + i) * D, D);
     }
   }
 }
 
 void attend_tile(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b, int64_t kc_s,
-                 int64_t vc_b, int64_t vc_s, const int32_t* bt, int bs, int window, float* qbuf,
+                 int64_t kc_h, int64_t vc_b, int64_t vc_s, int64_t vc_h, const int32_t* bt, int bs,
+                 int window, float* qbuf,
                  float* acc, float* m_i, float* l_i, float* sc, int64_t* pos) {
   switch (t.head_dim) {
 #define TANDEM_HEAD_DIM(n)                                                                     \
   case n:                                                                                      \
-    return attend_tile_d<n>(t, kc, vc, kc_b, kc_s, vc_b, vc_s, bt, bs, window, qbuf, acc, m_i, \
-                            l_i, sc, pos);
+    return attend_tile_d<n>(t, kc, vc, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, bt, bs, window, qbuf, \
+                            acc, m_i, l_i, sc, pos);
     TANDEM_HEAD_DIM(32)
     TANDEM_HEAD_DIM(64)
     TANDEM_HEAD_DIM(80)
@@ -214,8 +245,8 @@ void attend_tile(const AttnTile& t, const float* kc, const float* vc, int64_t kc
     TANDEM_HEAD_DIM(128)
 #undef TANDEM_HEAD_DIM
     default:
-      return attend_tile_d<0>(t, kc, vc, kc_b, kc_s, vc_b, vc_s, bt, bs, window, qbuf, acc, m_i,
-                              l_i, sc, pos);
+      return attend_tile_d<0>(t, kc, vc, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, bt, bs, window,
+                              qbuf, acc, m_i, l_i, sc, pos);
   }
 }
 
@@ -294,7 +325,12 @@ int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const
   const int D = head_dim;
   std::vector<Item> items;
   items.reserve(static_cast<size_t>(num_seqs) * num_kv_heads);
-  int covered = 0;
+  int covered = 0, tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
+    tiles += (hi - lo + kQueryTile - 1) / kQueryTile;
+  }
+  const int heads_per_item = tiles >= 4 * num_threads ? num_kv_heads : 1;
   for (int s = 0; s < num_seqs; ++s) {
     const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
     covered = hi > covered ? hi : covered;
@@ -304,8 +340,8 @@ int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const
       continue;
     }
     for (int r = lo; r < hi; r += kQueryTile)
-      for (int h = 0; h < num_kv_heads; ++h)
-        items.push_back({s, h, r, r + kQueryTile < hi ? r + kQueryTile : hi});
+      for (int h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({s, h, h + heads_per_item, r, r + kQueryTile < hi ? r + kQueryTile : hi});
   }
   for (int t = covered; t < num_tokens; ++t)
     for (int h = 0; h < num_heads; ++h) std::memset(out + t * o_st + h * o_sh, 0, 4 * D);
@@ -313,7 +349,7 @@ int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const
   const int n_items = static_cast<int>(items.size());
 #pragma omp parallel num_threads(num_threads) if (n_items > 1)
   {
-    const int max_m = kQueryTile * group;
+    const int max_m = kQueryTile * group * heads_per_item;
     std::vector<float> qbuf(static_cast<size_t>(max_m) * D), acc(static_cast<size_t>(max_m) * D);
     std::vector<float> m_i(max_m), l_i(max_m), sc(static_cast<size_t>(max_m) * block_size);
     std::vector<int64_t> pos(max_m);
@@ -323,16 +359,18 @@ int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const
       const int lo = qsl ? qsl[w.seq] : w.seq, hi = qsl ? qsl[w.seq + 1] : w.seq + 1;
       const int64_t ctx = seq_lens[w.seq] - (hi - lo);
       AttnTile tile{q, q_st, q_sh, scale, group, D, w, ctx - lo};
-      attend_tile(tile, k_cache + w.kvh * kc_h, v_cache + w.kvh * vc_h, kc_b, kc_s, vc_b, vc_s,
+      attend_tile(tile, k_cache, v_cache, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h,
                   block_tables + w.seq * bt_stride, block_size, window, qbuf.data(), acc.data(),
                   m_i.data(), l_i.data(), sc.data(), pos.data());
-      for (int r = w.r0; r < w.r1; ++r)
-        for (int g = 0; g < group; ++g) {
-          const int m = (r - w.r0) * group + g;
-          float* dst = out + r * o_st + (w.kvh * group + g) * o_sh;
-          const float inv = l_i[m] > 0.f ? 1.f / l_i[m] : 0.f;
-          for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
-        }
+      const int mh = (w.r1 - w.r0) * group;
+      for (int h = w.h0; h < w.h1; ++h)
+        for (int r = w.r0; r < w.r1; ++r)
+          for (int g = 0; g < group; ++g) {
+            const int m = (h - w.h0) * mh + (r - w.r0) * group + g;
+            float* dst = out + r * o_st + (h * group + g) * o_sh;
+            const float inv = l_i[m] > 0.f ? 1.f / l_i[m] : 0.f;
+            for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
+          }
     }
   }
   return 0;
