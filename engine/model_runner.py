@@ -16,7 +16,8 @@ from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler, SamplingRow, argmax_only
 
 if TYPE_CHECKING:
     from tandem.engine.cpu_forward import CpuForward
@@ -30,6 +31,7 @@ class StepInputs:
     # Row of the packed hidden states whose logits each sampled request needs.
     sample_rows: torch.Tensor
     sample_request_ids: list[str]
+    sample_requests: list[Request]
 
 
 class ModelRunner:
@@ -67,6 +69,7 @@ class ModelRunner:
         slens: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        sample_reqs: list[Request] = []
         max_blocks = 0
         for s in out.scheduled:
             req = s.request
@@ -90,6 +93,7 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(req.request_id)
+                sample_reqs.append(req)
         block_tables = _block_tables([s.request.block_ids for s in out.scheduled], max_blocks)
         dev = self.device
         seq_lens = torch.tensor(slens, dtype=torch.int32)
@@ -113,6 +117,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_request_ids=sample_ids,
+            sample_requests=sample_reqs,
         )
 
     @torch.inference_mode()
@@ -131,7 +136,12 @@ class ModelRunner:
         if not inputs.sample_request_ids:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        reqs = inputs.sample_requests
+        if argmax_only([r.params for r in reqs]):
+            # All greedy without penalties or logprobs (the common batch): no SamplingRows.
+            tokens = logits.argmax(dim=-1).tolist()
+            result.sampled_token_ids = dict(zip(inputs.sample_request_ids, tokens, strict=True))
+            return result
         rows = [
             SamplingRow(
                 params=r.params,
@@ -139,7 +149,7 @@ class ModelRunner:
                 output_token_ids=r.output_token_ids,
                 generator=r.generator,
             )
-            for r in (by_id[rid] for rid in inputs.sample_request_ids)
+            for r in reqs
         ]
         sampled = self.sampler(logits, rows)
         for rid, tok, lp in zip(

@@ -88,13 +88,13 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
 
         params = [row.params for row in rows]
-        penalized = [_has_penalties(p) for p in params]
-        want_logprobs = [p.logprobs is not None for p in params]
-        if all(p.greedy for p in params) and not any(penalized) and not any(want_logprobs):
+        if argmax_only(params):
             # Converting to float32 cannot change the argmax, so skip the copy.
             return SamplerOutput(
                 token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows)
             )
+        penalized = [_has_penalties(p) for p in params]
+        want_logprobs = [p.logprobs is not None for p in params]
 
         logits = logits.to(torch.float32, copy=True)
         if any(penalized):
@@ -120,6 +120,12 @@ class Sampler:
             for i, entry in zip(lp_idx, entries, strict=True):
                 out_logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+
+def argmax_only(params: Sequence[SamplingParams]) -> bool:
+    """True when every row is greedy without penalties or logprobs: sampling is then one argmax
+    (callers such as the ModelRunner may skip building SamplingRows altogether)."""
+    return all(p.greedy and p.logprobs is None and not _has_penalties(p) for p in params)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
