@@ -139,7 +139,7 @@ class ModelRunner:
         reqs = inputs.sample_requests
         if argmax_only([r.params for r in reqs]):
             # All greedy without penalties or logprobs (the common batch): no SamplingRows.
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self.sampler.greedy(logits)
             result.sampled_token_ids = dict(zip(inputs.sample_request_ids, tokens, strict=True))
             return result
         rows = [

@@ -76,6 +76,11 @@ class SamplerOutput:
 class Sampler:
     """Stateless; one instance can serve every step of an engine."""
 
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Argmax per row of ``logits`` [B, V] (ties to the lowest id): the whole of sampling when
+        :func:`argmax_only` holds, which the ModelRunner checks before building any rows."""
+        return logits.argmax(dim=-1).tolist()
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]`` (any float dtype)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
