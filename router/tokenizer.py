@@ -6,6 +6,7 @@ Loaded once by the app's lifespan from the model directory with ``AutoTokenizer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,19 @@ from tandem.router.errors import bad_request
 class PromptEncoder:
     """Wraps a Hugging Face tokenizer; thread-safe for reads, so handlers share one."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, model_vocab_size: int = 0) -> None:
         self._tok = tokenizer
-        self._vocab_size = len(tokenizer)  # len() walks the added vocabulary: cache it
+        # Token ids the model may produce or take: its embedding rows, which checkpoints often pad
+        # beyond the tokenizer's own vocabulary (ids without a token decode to no text). len()
+        # walks the added vocabulary: cache it.
+        self._vocab_size = max(len(tokenizer), model_vocab_size)
 
     @classmethod
     def load(cls, model_path: Path) -> PromptEncoder:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(model_path), local_files_only=True))
+        tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        return cls(tok, _model_vocab_size(model_path))
 
     @property
     def tokenizer(self) -> Any:
@@ -86,3 +91,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
+def _model_vocab_size(model_path: Path) -> int:
+    """config.json's vocab_size (0 when the directory holds only a tokenizer)."""
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
