@@ -141,6 +141,7 @@ def worker_args(owner: Owner, spec: TandemServiceSpec, role: str) -> list[str]:
         "--kv-transport",
         spec.kv_transport,
     ]
+    args += ["--device", pool.device, "--dtype", pool.dtype]
     kv = kv_ports(pool.port)
     args += ["--kv-events-port", str(kv["kv-events"])]
     if role == "prefill":
