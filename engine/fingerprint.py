@@ -3,10 +3,11 @@
 Two workers may exchange KV only if they would compute the same KV for the same tokens: the same
 Tandem version, the same model (its config and its weights), the same dtype, block size and KV
 layout. ``compute`` hashes exactly that. The weights part is cheap: the safetensors headers
-(tensor names, shapes, dtypes, offsets) and file sizes, not the bytes, so a rollout to another
-checkpoint of the same architecture changes it while a restart does not. Workers put the digest
-in their registration (the router pairs prefill and decode only when equal) and in the KV
-handshake (a pull from a different fingerprint is refused before a byte moves).
+(tensor names, shapes, dtypes, offsets), file sizes and a fixed sample of the bytes, so a
+rollout to another checkpoint of the same architecture changes it while a restart does not.
+Workers put the digest in their registration (the router pairs prefill and decode only when
+equal) and in the KV handshake (a pull from a different fingerprint is refused before a byte
+moves).
 
 Torch-free; the router compares digests and never computes one.
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 DIGEST_CHARS = 16  # 64 bits, short enough for a Kubernetes label value
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+SAMPLES = 32
+SAMPLE_BYTES = 64 * 1024
 
 
 def tandem_version() -> str:
@@ -32,7 +35,10 @@ def tandem_version() -> str:
 
 
 def model_digest(model_path: Path) -> str:
-    """config.json (canonical JSON) and each ``*.safetensors`` file's size and header."""
+    """config.json (canonical JSON) and, for each ``*.safetensors`` file, its size, its header
+    and a sample of its data: ``SAMPLES`` reads of ``SAMPLE_BYTES`` spread evenly over the file,
+    so two checkpoints of the same shapes (a retrain, another seed) differ while a 100 GB model
+    costs a few MiB of reads."""
     h = hashlib.sha256()
     config = json.loads((model_path / "config.json").read_text())
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
@@ -45,6 +51,9 @@ def model_digest(model_path: Path) -> str:
                 (n,) = struct.unpack("<Q", raw)
                 if n <= min(_MAX_HEADER_BYTES, size - 8):
                     h.update(fh.read(n))
+            for i in range(SAMPLES):
+                fh.seek(size * i // SAMPLES)
+                h.update(fh.read(SAMPLE_BYTES))
     return h.hexdigest()[:DIGEST_CHARS]
 
 

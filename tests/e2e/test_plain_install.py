@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,22 +97,25 @@ def test_plain_install_tandem_up_serves_the_demo(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def image_root(tmp_path: Path) -> Iterator[Path]:
-    """A read-only working directory and a /tmp-like writable home for UID 10001."""
+def image_root() -> Iterator[Path]:
+    """A read-only working directory and a /tmp-like writable home for UID 10001 (outside
+    pytest's private temp tree, which that user could not enter)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run as UID 10001")
-    os.chmod(tmp_path, 0o755)
-    work = tmp_path / "work"
+    root = Path(tempfile.mkdtemp(prefix="tandem-image-"))
+    root.chmod(0o755)
+    work = root / "work"
     work.mkdir(mode=0o555)
-    home = tmp_path / "home"
+    home = root / "home"
     home.mkdir()
     os.chown(home, UID, UID)
     token = home / "cluster-token"
     token.write_text("image-test-cluster-token-0123456789\n")
     os.chown(token, UID, UID)
     token.chmod(0o440)
-    yield tmp_path
+    yield root
     work.chmod(0o755)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _tree_snapshot(root: Path) -> set[str]:

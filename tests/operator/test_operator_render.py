@@ -614,3 +614,25 @@ def test_engine_options_may_not_collide_with_first_class_fields(
 def test_bad_device_is_refused(device: str) -> None:
     with pytest.raises(SpecError, match="device"):
         parse_spec({"prefill": {"device": device}})
+
+
+def _fingerprint_label(spec: TandemServiceSpec, pool: str) -> str:
+    named = by_name(render_children(OWNER, spec, Replicas(1, 1)))
+    return named[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["labels"][
+        "tandem.dev/fingerprint"
+    ]
+
+
+def test_worker_pods_carry_their_fingerprint_label() -> None:
+    spec = gpu_spec()
+    assert _fingerprint_label(spec, "prefill") == _fingerprint_label(spec, "decode")
+    router = by_name(render_children(OWNER, spec, Replicas(1, 1)))["Deployment/demo-router"]
+    assert "tandem.dev/fingerprint" not in router["spec"]["template"]["metadata"]["labels"]
+    raw = next(d for n, d in SAMPLES if n.startswith("gpu-pvc.yaml:TandemService"))["spec"]
+    new_image = parse_spec({**raw, "image": "ghcr.io/tandem-llm/tandem:0.2.0"})
+    assert _fingerprint_label(new_image, "decode") != _fingerprint_label(spec, "decode")
+    fp16 = parse_spec({**raw, "decode": {**raw["decode"], "dtype": "float16"}})
+    assert _fingerprint_label(fp16, "decode") != _fingerprint_label(fp16, "prefill")
+    more_seqs = parse_spec({**raw, "decode": {**raw["decode"],
+                                              "engineOptions": {"max_num_seqs": 8}}})  # fmt: skip
+    assert _fingerprint_label(more_seqs, "decode") == _fingerprint_label(spec, "decode")
