@@ -7,6 +7,7 @@ from tandem.decode.hooks import LoadFailurePolicy
 from tandem.decode.role import DecodeRole
 from tandem.engine.role import Role
 from tandem.engine.worker.cli import parser, serve
+from tandem.transports import require
 
 
 def main(argv: list[str]) -> int:
@@ -18,5 +19,6 @@ def main(argv: list[str]) -> int:
         help="when a KV pull fails: prefill the prompt here (recompute) or fail the request",
     )
     args = p.parse_args(argv)
+    require(args.kv_transport, "tandem decode")
     role = DecodeRole(args.kv_transport, args.kv_lease_seconds, args.kv_load_failure_policy)
     return serve(args, role)

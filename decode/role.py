@@ -46,6 +46,8 @@ class DecodeRole:
             cluster_token=ctx.cluster_token,
             side_channel_port=ctx.kv_side_channel_port,
             data_port=ctx.kv_data_port,
+            fingerprint=ctx.fingerprint,
+            identity=ctx.identity,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)
 

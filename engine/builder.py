@@ -6,6 +6,7 @@ so the role can build its connector over the KV cache before the engine exists).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,11 @@ import torch
 
 from tandem.engine.attention import get_backend
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.config import EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_layout import KVLayout, dtype_name
 from tandem.engine.kv_tier import KVTier
+from tandem.engine.memory_profile import blocks_for, kv_cache_bytes, profile_cuda, summary
 from tandem.engine.model_path import resolve_model_path
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
@@ -25,6 +27,8 @@ from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.tier_copier import TierCopier
 from tandem.kernels import cpu_ops
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -87,7 +91,26 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     cache = config.cache
     bs = cache.block_size
     one = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype_name(dtype), 1)
-    num_blocks = cache.num_blocks or max(1, _kv_budget(cache, device) // one.block_bytes)
+    sched_cfg = config.scheduler
+    if cache.num_blocks:
+        num_blocks, source = cache.num_blocks, "num_blocks"
+    elif device.type == "cuda":
+        # Measured, as vLLM does: the peak of one full dummy step, not a guess.
+        profile = profile_cuda(
+            model, backend, one, device, sched_cfg.max_num_batched_tokens, max_model_len,
+            sched_cfg.max_num_seqs,
+        )  # fmt: skip
+        budget = kv_cache_bytes(profile, cache.gpu_memory_utilization)
+        num_blocks = max(1, blocks_for(budget, one.block_bytes))
+        source = (
+            f"profiled: peak {profile.peak_bytes / 2**30:.2f} GiB of "
+            f"{profile.total_bytes / 2**30:.2f} GiB at gpu_memory_utilization="
+            f"{cache.gpu_memory_utilization}"
+        )
+    else:
+        num_blocks = max(1, blocks_for(cache.kv_cache_memory_bytes, one.block_bytes))
+        source = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+    log.info("%s", summary(num_blocks, bs, max_model_len, source))
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"KV cache of {num_blocks} blocks x {bs} tokens cannot hold one sequence of "
@@ -103,7 +126,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         )
     tier = KVTier(num_host, cache.enable_prefix_caching) if num_host else None
     kv = KVCacheManager(pool, bs, cache.enable_prefix_caching, tier)
-    sched_cfg = config.scheduler
     if sched_cfg.max_model_len != max_model_len:
         sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
     check_unchunked_budget(sched_cfg)
@@ -145,20 +167,6 @@ def check_unchunked_budget(cfg: SchedulerConfig) -> None:
             f"{cfg.max_num_batched_tokens} < {cfg.max_model_len}: a longer prompt could never be "
             "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
         )
-
-
-def _kv_budget(cache: CacheConfig, device: torch.device) -> int:
-    if device.type != "cuda":
-        return cache.kv_cache_memory_bytes
-    free, total = torch.cuda.mem_get_info(device)
-    # Leave room for activations and CUDA graphs: 5% of the card beyond what is used now.
-    budget = int(total * cache.gpu_memory_utilization) - (total - free) - int(0.05 * total)
-    if budget <= 0:
-        raise ValueError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization="
-            f"{cache.gpu_memory_utilization}"
-        )
-    return budget
 
 
 def _capture_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:

@@ -40,6 +40,7 @@ class FailureReason(StrEnum):
     CLOSED = "closed"
     UNAUTHORIZED = "unauthorized"  # no cluster token, or no proof of the transfer's secret
     UNKNOWN_TRANSFER = "unknown_transfer"  # data for a transfer this connection did not open
+    INCOMPATIBLE = "incompatible"  # the peer's fingerprint differs (another model or version)
 
 
 def _check_id(name: str, value: Any) -> str:

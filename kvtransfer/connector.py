@@ -60,6 +60,8 @@ class ZmqKVConnector:
         clock: Callable[[], float] = time.monotonic,
         auth: FrameAuth | None = None,
         data_port: int = 0,
+        fingerprint: str = "unset",
+        identity: str = "unset",
     ) -> None:
         layout.check_kv_cache(kv_cache)
         if (send is not None) != (role != Role.DECODE) or (recv is not None) != (
@@ -84,6 +86,8 @@ class ZmqKVConnector:
             handshake_timeout=handshake_timeout,
             clock=clock,
             auth=auth or FrameAuth(None),
+            fingerprint=fingerprint,
+            identity=identity[:1024],
         )
         if recv is not None:
             recv.on_dropped = self._ctx.count_failure

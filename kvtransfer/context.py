@@ -45,6 +45,10 @@ class ConnectorContext:
     handshake_timeout: float
     clock: Callable[[], float]
     auth: FrameAuth = field(default_factory=lambda: FrameAuth(None))
+    # The worker's compatibility fingerprint (engine/fingerprint.py) and its readable form:
+    # the handshake refuses a peer whose fingerprint differs, before a byte of KV moves.
+    fingerprint: str = "unset"
+    identity: str = "unset"
     lock: threading.Lock = field(default_factory=threading.Lock)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 

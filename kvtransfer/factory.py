@@ -35,6 +35,8 @@ def create_connector(
     engine_id: str | None = None,
     cluster_token: ClusterToken | None = None,
     data_port: int = 0,
+    fingerprint: str = "unset",
+    identity: str = "unset",
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
@@ -50,7 +52,8 @@ def create_connector(
     every side-channel frame and proves every data connection (workers always pass theirs;
     None, for in-process tests, seals with an empty key: the same wire, unauthenticated).
     ``side_channel_port`` and ``data_port`` (0: any free port) fix the prefill's listeners so a
-    NetworkPolicy can name them.
+    NetworkPolicy can name them. ``fingerprint`` (engine/fingerprint.py; ``identity`` its readable
+    form) is compared at every handshake: peers that differ never exchange KV.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -93,4 +96,6 @@ def create_connector(
         advertise_host=advertise_host,
         auth=auth,
         data_port=data_port,
+        fingerprint=fingerprint,
+        identity=identity,
     )

@@ -112,7 +112,7 @@ class PeerLink:
     async def _handshake(self) -> None:
         ctx, recv = self._ctx, self._recv
         assert ctx is not None and recv is not None
-        self.send(p.Hello(ctx.engine_id, recv.name, ctx.layout))
+        self.send(p.Hello(ctx.engine_id, recv.name, ctx.layout, ctx.fingerprint, ctx.identity))
         try:
             reply = await asyncio.shield(self.hello)
             await recv.connect(reply.data_address, self.token, ctx.handshake_timeout)
@@ -164,6 +164,16 @@ class PeerLink:
                 problem = layout_mismatch(ctx.layout, msg.layout)
                 if problem is not None:
                     set_future(self.hello, LoadFailure(FailureReason.LAYOUT_MISMATCH, problem))
+                elif msg.fingerprint != ctx.fingerprint:
+                    set_future(
+                        self.hello,
+                        LoadFailure(
+                            FailureReason.INCOMPATIBLE,
+                            f"fingerprint mismatch: the prefill is {msg.identity} "
+                            f"({msg.fingerprint}), this decode is {ctx.identity} "
+                            f"({ctx.fingerprint})",
+                        ),
+                    )
                 elif self._recv is None or msg.transport != self._recv.name:
                     set_future(
                         self.hello,
@@ -182,11 +192,10 @@ class PeerLink:
             case p.Error():
                 log.warning("kv side channel: %s says %s: %s", self.address, msg.code, msg.message)
                 if not self.hello.done():
-                    reason = (
-                        FailureReason.LAYOUT_MISMATCH
-                        if msg.code == "layout_mismatch"
-                        else FailureReason.HANDSHAKE
-                    )
+                    reason = {
+                        "layout_mismatch": FailureReason.LAYOUT_MISMATCH,
+                        "incompatible": FailureReason.INCOMPATIBLE,
+                    }.get(msg.code, FailureReason.HANDSHAKE)
                     set_future(self.hello, LoadFailure(reason, msg.message))
             case p.Aborted():
                 load = self.loads.get(msg.request_id)

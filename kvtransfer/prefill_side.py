@@ -173,6 +173,8 @@ class PrefillSide:
         log.warning("kv side channel: rejected message: %s: %s", code, message)
         if code == "unauthorized":
             reason = FailureReason.UNAUTHORIZED
+        elif code == "incompatible":
+            reason = FailureReason.INCOMPATIBLE
         elif code in (
             "malformed", "oversized", "version", "unknown_type", "invalid_field", "bad_framing"
         ):  # fmt: skip
@@ -222,13 +224,28 @@ class PrefillSide:
         if mismatch is not None:
             self._reject(ident, "layout_mismatch", mismatch)
             return
+        if msg.fingerprint != self._ctx.fingerprint:
+            # Another model, checkpoint, dtype or version computed that decode's KV: this
+            # prefill's blocks would be garbage to it. Refused before any pull.
+            self._reject(
+                ident,
+                "incompatible",
+                f"fingerprint mismatch: this prefill is {self._ctx.identity} "
+                f"({self._ctx.fingerprint}), the decode is {msg.identity} ({msg.fingerprint})",
+            )
+            return
         self._hello_peers[ident] = None
         if len(self._hello_peers) > _MAX_HELLO_PEERS:
             del self._hello_peers[next(iter(self._hello_peers))]
         self._reply(
             ident,
             p.HelloOk(
-                self._ctx.engine_id, self._send.name, self._ctx.layout, self._send.data_address
+                self._ctx.engine_id,
+                self._send.name,
+                self._ctx.layout,
+                self._send.data_address,
+                self._ctx.fingerprint,
+                self._ctx.identity,
             ),
         )
 

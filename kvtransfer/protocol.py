@@ -67,6 +67,8 @@ class Hello:
     engine_id: str  # the sender's (decode) engine id
     transport: str
     layout: KVLayout
+    fingerprint: str = "unset"  # engine/fingerprint.py digest; a mismatch is refused
+    identity: str = "unset"  # its readable form, for the refusal's message
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,8 @@ class HelloOk:
     transport: str
     layout: KVLayout
     data_address: str
+    fingerprint: str = "unset"
+    identity: str = "unset"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,8 @@ def encode_message(msg: Message) -> bytes:
                 "engine_id": msg.engine_id,
                 "transport": msg.transport,
                 "layout": _layout_wire(msg.layout),
+                "fingerprint": msg.fingerprint,
+                "identity": msg.identity,
             }
         case HelloOk():
             body = {
@@ -156,6 +162,8 @@ def encode_message(msg: Message) -> bytes:
                 "transport": msg.transport,
                 "layout": _layout_wire(msg.layout),
                 "data_address": msg.data_address,
+                "fingerprint": msg.fingerprint,
+                "identity": msg.identity,
             }
         case Pull():
             body = {
@@ -326,13 +334,21 @@ def decode_message(data: bytes) -> Message:
         raise ProtocolError("unknown_type", f"unknown message type {body.get('t')!r}") from None
     match mtype:
         case MsgType.HELLO:
-            return Hello(_str(body, "engine_id"), _transport(body), _layout(body))
+            return Hello(
+                _str(body, "engine_id"),
+                _transport(body),
+                _layout(body),
+                _str(body, "fingerprint", 64),
+                _str(body, "identity", MAX_TEXT_LEN),
+            )
         case MsgType.HELLO_OK:
             return HelloOk(
                 _str(body, "engine_id"),
                 _transport(body),
                 _layout(body),
                 _str(body, "data_address", MAX_TEXT_LEN),
+                _str(body, "fingerprint", 64),
+                _str(body, "identity", MAX_TEXT_LEN),
             )
         case MsgType.PULL:
             return Pull(

@@ -20,6 +20,7 @@ from typing import Any
 from tandem.operator import cluster_secret
 from tandem.operator.naming import (
     CONFIG_HASH_ANNOTATION,
+    FINGERPRINT_LABEL,
     POOLS,
     RUN_AS_USER,
     UCX_TCP_PORT_RANGE,
@@ -141,6 +142,7 @@ def worker_args(owner: Owner, spec: TandemServiceSpec, role: str) -> list[str]:
         "--kv-transport",
         spec.kv_transport,
     ]
+    args += ["--device", pool.device, "--dtype", pool.dtype]
     kv = kv_ports(pool.port)
     args += ["--kv-events-port", str(kv["kv-events"])]
     if role == "prefill":
@@ -150,6 +152,22 @@ def worker_args(owner: Owner, spec: TandemServiceSpec, role: str) -> list[str]:
     for key, value in sorted(pool.engine_options.items()):
         args += ["--engine-option", f"{key}={value}"]
     return args
+
+
+def config_fingerprint(spec: TandemServiceSpec, pool: PoolSpec) -> str:
+    """The part of a worker's fingerprint the spec decides (engine/fingerprint.py adds the
+    weights' checksum and Tandem's version at run time): equal for a prefill and a decode pod
+    exactly when they are meant to exchange KV."""
+    parts = {
+        "image": spec.image,
+        "model": spec.model.argument,
+        "pvc": spec.model.pvc.claim_name if spec.model.pvc else "",
+        "device": pool.device.split(":")[0],
+        "dtype": pool.dtype,
+        "block_size": pool.engine_options.get("block_size", "16"),
+    }
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _container_security() -> dict[str, Any]:
@@ -296,6 +314,8 @@ def _deployment(
     if worker is not None and worker.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in worker.tolerations]
     pod_labels = {**common_labels(owner.name, pool), "tandem.dev/metrics": "true"}
+    if worker is not None:
+        pod_labels[FINGERPRINT_LABEL] = config_fingerprint(spec, worker)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

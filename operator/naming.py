@@ -22,6 +22,10 @@ MANAGED_BY = "tandem-operator"
 SERVICE_LABEL = "tandem.dev/service"
 POOL_LABEL = "tandem.dev/pool"
 CONFIG_HASH_ANNOTATION = "tandem.dev/config-hash"
+# On worker pods: what the operator knows of their compatibility fingerprint (image, model,
+# device, dtype, block size). Prefill and decode pods with equal values produce compatible KV;
+# the workers' exact fingerprint (with a checksum of the weights) is in their registration.
+FINGERPRINT_LABEL = "tandem.dev/fingerprint"
 POOLS = ("router", "prefill", "decode")
 RUN_AS_USER = 10001
 

@@ -22,6 +22,11 @@ ROUTER_POLICIES = ("prefix-aware", "least-load", "round-robin")
 TRANSPORTS = ("ucx", "tcp")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+DTYPES = ("float32", "bfloat16", "float16")
+GPU_RESOURCE = "nvidia.com/gpu"
+# engineOptions that first-class flags already set: passing them twice made the worker exit
+# ("got multiple values for keyword argument 'device'").
+RESERVED_ENGINE_OPTIONS = ("device", "dtype", "model", "served_model_name")
 # A worker pool's KV listeners take the ports right after its HTTP port (naming.kv_ports).
 KV_PORT_OFFSETS = {"kv-events": 1, "kv-side": 2, "kv-data": 3}
 
@@ -87,6 +92,8 @@ class PoolSpec:
     engine_options: dict[str, str] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
+    device: str = "cpu"  # default cuda when the pool requests nvidia.com/gpu
+    dtype: str = "float32"  # default bfloat16 on a GPU pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,16 +204,32 @@ def _pool(raw: Mapping[str, Any], where: str, port: int) -> PoolSpec:
     for key in options:
         if not key or "=" in key or key.startswith("-"):
             raise SpecError(f"{where}.engineOptions key {key!r} must be a bare option name")
+        if key.replace("-", "_") in RESERVED_ENGINE_OPTIONS:
+            field_name = {"served_model_name": "model.name", "model": "model"}.get(
+                key.replace("-", "_"), f"{where}.{key.replace('-', '_')}"
+            )
+            raise SpecError(
+                f"{where}.engineOptions.{key} collides with a first-class field: set "
+                f"{field_name} instead"
+            )
+    resources = _resources(raw, where)
+    gpu = GPU_RESOURCE in resources.requests or GPU_RESOURCE in resources.limits
+    device = _str(raw, "device", "cuda" if gpu else "cpu", where)
+    if not (device == "cpu" or device == "cuda" or
+            (device.startswith("cuda:") and device[5:].isdigit())):  # fmt: skip
+        raise SpecError(f"{where}.device must be cpu, cuda or cuda:N; got {device!r}")
     tolerations = raw.get("tolerations", [])
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         raise SpecError(f"{where}.tolerations must be a list of objects")
     return PoolSpec(
         replicas=_int(raw, "replicas", 1, where),
         port=_int(raw, "port", port, where, minimum=1),
-        resources=_resources(raw, where),
+        resources=resources,
         engine_options=options,
         node_selector=_str_map(raw, "nodeSelector", where),
         tolerations=tuple(dict(t) for t in tolerations),
+        device=device,
+        dtype=_str(raw, "dtype", "bfloat16" if gpu else "float32", where, DTYPES),
     )
 
 

@@ -39,6 +39,8 @@ class PrefillRole:
             cluster_token=ctx.cluster_token,
             side_channel_port=ctx.kv_side_channel_port,
             data_port=ctx.kv_data_port,
+            fingerprint=ctx.fingerprint,
+            identity=ctx.identity,
         )
         return PrefillHooks(self.connector)
 

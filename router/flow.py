@@ -251,20 +251,27 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
         d, d_choice = picked
         tried_d.add(d.info.engine_id)
         ctx.record(d.info.role.label, d_choice.reason)
-        prefill_pool = ctx.registry.by_role(Role.PREFILL)
+        registered = ctx.registry.by_role(Role.PREFILL)
+        # Only prefill workers whose KV this decode can use (same model, checkpoint, dtype,
+        # version: the fingerprint); with none left, decode prefills locally.
+        prefill_pool = [w for w in registered if w.info.fingerprint == d.info.fingerprint]
         decision = decide_prefill(
             prompt_tokens=len(job.prompt_token_ids),
             decode_cached_tokens=d_choice.overlap_blocks * d.info.block_size,
             threshold_tokens=ctx.config.local_prefill_threshold,
             decode_is_colocated=d.info.role is Role.COLOCATED,
             prefill_available=bool(prefill_pool),
+            prefill_incompatible=bool(registered) and not prefill_pool,
             prefill_min_queue=min((w.waiting + w.inflight for w in prefill_pool), default=0),
             overload_queue=ctx.config.prefill_overload_queue,
         )
         kv_params: dict[str, Any] | None = None
         if decision.mode is PrefillMode.REMOTE:
             ctx.record("prefill", "remote")
-            outcome = await _remote_prefill(ctx, choice)
+            incompatible = {w.info.engine_id for w in registered} - {
+                w.info.engine_id for w in prefill_pool
+            }
+            outcome = await _remote_prefill(ctx, choice, incompatible)
             if outcome is _FINISHED:
                 return
             if outcome is None:
@@ -289,11 +296,14 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
 _FINISHED: dict[str, Any] = {}
 
 
-async def _remote_prefill(ctx: FlowContext, choice: _Choice) -> dict[str, Any] | None:
-    """Prefill on a P worker; returns its kv_transfer_params, ``_FINISHED`` when the request ended
-    at the first token, or None when every attempt failed (fall back to local prefill)."""
+async def _remote_prefill(
+    ctx: FlowContext, choice: _Choice, incompatible: set[str] | None = None
+) -> dict[str, Any] | None:
+    """Prefill on a P worker (never one in ``incompatible``); returns its kv_transfer_params,
+    ``_FINISHED`` when the request ended at the first token, or None when every attempt failed
+    (fall back to local prefill)."""
     job = choice.job
-    tried: set[str] = set()
+    tried: set[str] = set(incompatible or ())
     for attempt in range(1 + ctx.config.prefill_retries):
         picked = ctx.pick("prefill", (Role.PREFILL,), job, tried)
         if picked is None:

@@ -136,18 +136,22 @@ def decide_prefill(
     prefill_available: bool,
     prefill_min_queue: int = 0,
     overload_queue: int = 0,
+    prefill_incompatible: bool = False,
 ) -> PrefillDecision:
     """Conditional disaggregation: prefill on the decode worker or on a prefill worker.
 
     ``threshold_tokens`` 0 means always use a prefill worker when one is available.
     ``prefill_min_queue`` is the shortest queue (waiting + in flight) among prefill workers; when
     it reaches ``overload_queue`` (> 0) the whole prefill pool is overloaded and waiting there
-    would cost more TTFT than prefilling on the decode worker.
+    would cost more TTFT than prefilling on the decode worker. ``prefill_incompatible``: prefill
+    workers exist but none shares the decode's fingerprint (a rollout half done, another
+    checkpoint under the same name), so their KV would be garbage here.
     """
     if decode_is_colocated:
         return PrefillDecision(PrefillMode.LOCAL, "colocated")
     if not prefill_available:
-        return PrefillDecision(PrefillMode.LOCAL, "local_no_prefill_worker")
+        reason = "incompatible" if prefill_incompatible else "local_no_prefill_worker"
+        return PrefillDecision(PrefillMode.LOCAL, reason)
     if overload_queue > 0 and prefill_min_queue >= overload_queue:
         return PrefillDecision(PrefillMode.LOCAL, "local_prefill_overloaded")
     uncached = prompt_tokens - decode_cached_tokens

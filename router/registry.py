@@ -31,6 +31,7 @@ MAX_NUM_BLOCKS = 1 << 26
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\])"
 _HOST_RE = re.compile(rf"^{_HOST}$")
 _ZMQ_ENDPOINT_RE = re.compile(rf"^tcp://{_HOST}:([0-9]{{1,5}})$")
+_FINGERPRINT_RE = re.compile(r"^[0-9a-f]{1,64}$")
 _INT_LIMITS = {"block_size": MAX_BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
                "num_blocks": MAX_NUM_BLOCKS}  # fmt: skip
 
@@ -92,6 +93,9 @@ class WorkerInfo:
     num_blocks: int
     kv_events_endpoint: str | None
     kv_side_channel: str | None
+    # engine/fingerprint.py digest: prefill and decode are paired only when equal (None: a
+    # worker that sends none, which pairs only with others that send none).
+    fingerprint: str | None = None
 
     @classmethod
     def from_json(cls, d: object) -> WorkerInfo:
@@ -115,6 +119,11 @@ class WorkerInfo:
             if v:
                 check_zmq_endpoint(v, key)
         url = check_worker_url(d["url"])
+        fp = d.get("fingerprint")
+        if fp is not None and (
+            not isinstance(fp, str) or not _FINGERPRINT_RE.match(fp)
+        ):  # fmt: skip
+            raise bad_request("fingerprint must be 1..64 lowercase hex characters", "fingerprint")
         return cls(
             engine_id=d["engine_id"],
             role=_parse_role(d.get("role")),
@@ -126,6 +135,7 @@ class WorkerInfo:
             num_blocks=d["num_blocks"],
             kv_events_endpoint=d.get("kv_events_endpoint") or None,
             kv_side_channel=d.get("kv_side_channel"),
+            fingerprint=fp,
         )
 
 
@@ -198,6 +208,7 @@ class WorkerState:
             "engine_id": self.info.engine_id,
             "role": self.info.role.label,
             "url": self.info.url,
+            "fingerprint": self.info.fingerprint,
             "running": self.running,
             "waiting": self.waiting,
             "kv_usage": self.kv_usage,

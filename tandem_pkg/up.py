@@ -16,18 +16,15 @@ default).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -35,106 +32,22 @@ from typing import IO
 import httpx
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken, generate_token
+from tandem.up_config import (  # re-exported: the command lines are part of `tandem up`
+    ROUTER,
+    ProcessSpec,
+    UpConfig,
+    build_parser,
+    build_specs,
+    curl_line,
+    free_port,
+    parse_config,
+    router_ports,
+)
 
-ROUTER = "router"
-
-
-@dataclass(slots=True, frozen=True)
-class UpConfig:
-    model: str = "demo"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    prefill: int = 1
-    decode: int = 1
-    kv_transport: str = "ucx"
-    api_key: str | None = None
-    local_prefill_threshold: int = 0
-    prefill_overload_queue: int = 0
-    policy: str = "prefix-aware"
-    engine_options: tuple[str, ...] = ()
-    startup_timeout_s: float = 600.0
-    log_dir: str | None = None
-    internal_port: int | None = None  # the router's registry listener; None: a free port
-    cluster_token_file: str | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class ProcessSpec:
-    """One child: ``role`` is ``router`` or the worker role it registers as."""
-
-    name: str
-    role: str
-    argv: tuple[str, ...]
-    url: str
-    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # secrets: never printed
-    internal_url: str | None = None  # the router's registry listener (router only)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def build_specs(
-    cfg: UpConfig, ports: Iterator[int], python: str = sys.executable, token: str = ""
-) -> list[ProcessSpec]:
-    """The router first, then the workers; ``--prefill 0`` makes the decode workers colocated.
-    ``token`` (the cluster token) goes into every child's environment, never its argv."""
-    base = (python, "-m", "tandem.cli")
-    taken = {cfg.port}
-
-    def next_port() -> int:
-        # A port probed free can be the router's own (not bound yet) or one handed out already.
-        port = next(p for p in ports if p not in taken)
-        taken.add(port)
-        return port
-
-    internal_port = cfg.internal_port if cfg.internal_port is not None else next_port()
-    taken.add(internal_port)
-    router_url = f"http://{cfg.host}:{cfg.port}"
-    internal_url = f"http://{cfg.host}:{internal_port}"
-    router_argv = base + (
-        ROUTER, "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-        "--internal-port", str(internal_port),
-        "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
-        "--prefill-overload-queue", str(cfg.prefill_overload_queue),
-    )  # fmt: skip
-    # Secrets travel in the environment, not argv, so `ps` does not show them.
-    shared = ((CLUSTER_TOKEN_ENV, token),) if token else ()
-    env = shared + ((("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ())
-    specs = [ProcessSpec(ROUTER, ROUTER, router_argv, router_url, env, internal_url)]
-    decode_role = "decode" if cfg.prefill > 0 else "colocated"
-    roles = ["prefill"] * cfg.prefill + [decode_role] * cfg.decode
-    counters: dict[str, int] = {}
-    for role in roles:
-        i = counters.get(role, 0)
-        counters[role] = i + 1
-        port = next_port()
-        argv = base + (
-            role, "--model", cfg.model, "--host", "127.0.0.1", "--port", str(port),
-            "--router-url", internal_url, "--kv-transport", cfg.kv_transport,
-        )  # fmt: skip
-        for opt in cfg.engine_options:
-            argv += ("--engine-option", opt)
-        specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
-    return specs
-
-
-def curl_line(cfg: UpConfig) -> str:
-    content = "Hello!"
-    if cfg.model == "demo":
-        from tandem.engine.demo.task import make_user_message
-
-        content = make_user_message("hello42")
-    body = {"model": cfg.model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 32}  # fmt: skip
-    parts = ["curl", f"http://{cfg.host}:{cfg.port}/v1/chat/completions",
-             "-H", "Content-Type: application/json"]  # fmt: skip
-    if cfg.api_key:
-        parts += ["-H", f"Authorization: Bearer {cfg.api_key}"]
-    parts += ["-d", json.dumps(body)]
-    return shlex.join(parts)
+__all__ = [
+    "ProcessSpec", "UpConfig", "build_parser", "build_specs", "curl_line", "free_port", "launch",
+    "main", "parse_config", "run",
+]  # fmt: skip
 
 
 class StartupFailed(Exception):
@@ -257,25 +170,27 @@ def run(
     startup_timeout_s: float,
     on_ready: Callable[[], None],
 ) -> int:
-    """Start ``specs`` (router first), wait for registration, supervise; returns the exit code."""
+    """Start ``specs`` (routers first), wait until every router lists every worker, supervise;
+    returns the exit code."""
     out = supervisor.out
-    router = specs[0]
-    token = dict(router.env).get(CLUSTER_TOKEN_ENV)
-    internal = router.internal_url or router.url
+    routers = [s for s in specs if s.role == ROUTER]
+    token = dict(routers[0].env).get(CLUSTER_TOKEN_ENV)
     want: dict[str, int] = {}
-    for s in specs[1:]:
-        want[s.role] = want.get(s.role, 0) + 1
+    for s in specs:
+        if s.role != ROUTER:
+            want[s.role] = want.get(s.role, 0) + 1
     try:
         # All at once: workers retry registration until the router listens, and loading the model
         # overlaps with the router's start-up.
         for spec in specs:
             supervisor.spawn(spec)
         supervisor.wait_until(
-            lambda: _get_json(f"{router.url}/health") is not None, startup_timeout_s, "the router"
-        )
+            lambda: all(_get_json(f"{r.url}/health") is not None for r in routers),
+            startup_timeout_s, "the router(s)",
+        )  # fmt: skip
         supervisor.wait_until(
-            lambda: registered_roles(internal, token) == want, startup_timeout_s,
-            "every worker to register",
+            lambda: all(registered_roles(r.internal_url or r.url, token) == want for r in routers),
+            startup_timeout_s, "every worker to register with every router",
         )  # fmt: skip
         for c in supervisor.children:
             out(f"  {c.spec.name:<12} pid {c.proc.pid:<8} {c.spec.url}  log: {c.log_path}")
@@ -288,8 +203,8 @@ def run(
                 reported.add(child.spec.name)
                 out(f"tandem up: {child.spec.name} exited with code {child.proc.returncode}. "
                     f"Last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
-            if not _can_serve(supervisor, router):
-                out("tandem up: the router or every decode worker is gone; stopping")
+            if not _can_serve(supervisor):
+                out("tandem up: every router or every decode worker is gone; stopping")
                 return 1
             time.sleep(0.2)
         out("tandem up: stopping")
@@ -304,60 +219,15 @@ def run(
         supervisor.stop_all()
 
 
-def _can_serve(supervisor: Supervisor, router: ProcessSpec) -> bool:
-    """A dead prefill or one of several decode workers is survivable: the router drops it from
-    its registry and places traffic on the others (or prefills on decode). Serving needs the
-    router and at least one decode (or colocated) worker."""
+def _can_serve(supervisor: Supervisor) -> bool:
+    """A dead prefill, one of several decode workers or one of several routers is survivable:
+    routers drop a dead worker from their registries and place traffic on the others (or
+    prefill on decode), and clients use another router. Serving needs a router and at least one
+    decode (or colocated) worker."""
     alive = [c.spec for c in supervisor.children if c.proc.poll() is None]
-    return router in alive and any(s.role in ("decode", "colocated") for s in alive)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem up", description="Run router and workers locally")
-    p.add_argument("--model", default="demo", help="'demo' (default) or a local HF directory")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers; 0 = colocated")
-    p.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
-    p.add_argument("--kv-transport", choices=("ucx", "tcp"), default="ucx")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS")
-    p.add_argument("--prefill-overload-queue", type=int, default=0, metavar="REQUESTS",
-                   help="prefill on decode when every prefill worker has this many queued "
-                   "(0: never)")  # fmt: skip
-    p.add_argument("--policy", choices=("prefix-aware", "least-load", "round-robin"),
-                   default="prefix-aware")  # fmt: skip
-    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="passed to every worker (repeatable)")  # fmt: skip
-    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
-    p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
-    p.add_argument("--internal-port", type=int, default=None,
-                   help="the router's worker-registry port (default: a free port)")  # fmt: skip
-    p.add_argument("--cluster-token-file", default=None, metavar="PATH",
-                   help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}, else a random one per "
-                   "run); children get it in their environment")  # fmt: skip
-    return p
-
-
-def parse_config(argv: list[str]) -> UpConfig:
-    a = build_parser().parse_args(argv)
-    if a.prefill < 0 or a.decode < 1:
-        raise SystemExit("tandem up: --prefill must be >= 0 and --decode >= 1")
-    if a.local_prefill_threshold < 0 or a.prefill_overload_queue < 0:
-        raise SystemExit(
-            "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
-        )
-    if a.model != "demo" and not Path(a.model).is_dir():
-        raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
-    return UpConfig(
-        model=a.model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
-        kv_transport=a.kv_transport, api_key=a.api_key,
-        local_prefill_threshold=a.local_prefill_threshold,
-        prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
-        engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
-        log_dir=a.log_dir, internal_port=a.internal_port,
-        cluster_token_file=a.cluster_token_file,
-    )  # fmt: skip
+    return any(s.role == ROUTER for s in alive) and any(
+        s.role in ("decode", "colocated") for s in alive
+    )
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -373,16 +243,19 @@ def _port_is_free(host: str, port: int) -> bool:
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)
-    if not _port_is_free(cfg.host, cfg.port):
-        print(f"tandem up: port {cfg.port} on {cfg.host} is in use; pick another with --port",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    if cfg.internal_port is not None and (
-        cfg.internal_port == cfg.port or not _port_is_free(cfg.host, cfg.internal_port)
-    ):
-        print(f"tandem up: internal port {cfg.internal_port} is in use; pick another with "
-              "--internal-port", file=sys.stderr)  # fmt: skip
-        return 1
+    for port in router_ports(cfg):
+        if not _port_is_free(cfg.host, port):
+            print(f"tandem up: port {port} on {cfg.host} is in use; pick another with --port",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    internal = [cfg.internal_port + i for i in range(cfg.routers)] if cfg.internal_port else []
+    for port in internal:
+        if port in router_ports(cfg) or not _port_is_free(cfg.host, port):
+            print(f"tandem up: internal port {port} is in use; pick another with "
+                  "--internal-port", file=sys.stderr)  # fmt: skip
+            return 1
+    for note in cfg.notes:
+        print(note, flush=True)
     try:
         given = ClusterToken.load(cfg.cluster_token_file)
     except ValueError as exc:
@@ -398,10 +271,10 @@ def main(argv: list[str]) -> int:
           f"logs in {log_dir}", flush=True)  # fmt: skip
 
     def ready() -> None:
-        url = f"http://{cfg.host}:{cfg.port}/v1"
-        internal = specs[0].internal_url
-        print(f"\nTandem is ready at {url}  (Ctrl-C to stop; workers register at {internal})"
-              f"\n\n{curl_line(cfg)}\n", flush=True)  # fmt: skip
+        urls = ", ".join(f"http://{cfg.host}:{p}/v1" for p in router_ports(cfg))
+        registries = ", ".join(s.internal_url or "" for s in specs if s.role == ROUTER)
+        print(f"\nTandem is ready at {urls}  (Ctrl-C to stop; workers register at "
+              f"{registries})\n\n{curl_line(cfg)}\n", flush=True)  # fmt: skip
 
     return launch(specs, log_dir, cfg.startup_timeout_s, ready)
 

@@ -31,8 +31,8 @@ from tandem.engine.internal_auth import ClusterAuth
 from tandem.engine.outputs import EngineOutput
 from tandem.engine.request_limits import MAX_CONTROL_BYTES, MAX_INTERNAL_REQUEST_BYTES
 from tandem.engine.worker.protocol import BadRequest, encode_chunk, parse_generate_request
-from tandem.engine.worker.registration import Registrar
 from tandem.engine.worker.role import WorkerRole
+from tandem.engine.worker.router_set import RouterSet
 from tandem.engine.worker.service import WorkerConfig, WorkerService
 
 __all__ = ["WorkerConfig", "create_app"]
@@ -89,13 +89,16 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
         service.start()
         app.state.service = service
         registrar = None
-        if config.router_url:
-            registrar = Registrar(
-                config.router_url,
+        urls = config.router_urls or ((config.router_url,) if config.router_url else ())
+        if urls:
+            # Every router replica: each URL's every address, re-resolved as routers come and go.
+            registrar = RouterSet(
+                urls,
                 service.info,
                 service.load,
                 config.heartbeat_interval_s,
                 token=config.cluster_token,
+                resolve_interval_s=config.router_resolve_interval_s,
             )
             registrar.start()
         app.state.registrar = registrar

@@ -16,6 +16,9 @@ from tandem.engine.llm import build_engine_config
 from tandem.engine.role import Role
 from tandem.engine.worker.role import WorkerRole
 
+# Engine options the flags set: given twice, the engine would get "multiple values" for them.
+_FIRST_CLASS = frozenset({"model", "dtype", "device", "served_model_name"})
+
 
 def _engine_option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
@@ -47,7 +50,11 @@ def parser(role: Role) -> argparse.ArgumentParser:
         help="address peers and the router use to reach this worker "
         "(default $TANDEM_ADVERTISE_HOST, else --host)",
     )
-    p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
+    p.add_argument(
+        "--router-url", action="append", default=[], metavar="URL",
+        help="register and heartbeat with this router's internal listener (repeatable; a name "
+        "that resolves to several addresses, such as a headless Service, means every one)",
+    )  # fmt: skip
     p.add_argument(
         "--cluster-token-file", default=None, metavar="PATH",
         help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}); never pass the token itself",
@@ -90,13 +97,20 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     from tandem.engine.worker.app import create_app
     from tandem.engine.worker.service import WorkerConfig
 
+    options = dict(args.engine_option)
+    clash = sorted(set(options) & _FIRST_CLASS)
+    if clash:
+        raise SystemExit(
+            f"tandem {role.role.label}: --engine-option {clash[0]}=... collides with "
+            f"--{clash[0].replace('_', '-')}; pass it that way"
+        )
     try:
         engine_config = build_engine_config(
             args.model,
             dtype=args.dtype,
             device=args.device,
             served_model_name=args.served_model_name or args.model,
-            **dict(args.engine_option),
+            **options,
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"invalid engine option: {exc}") from None
@@ -105,7 +119,7 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
-        router_url=args.router_url,
+        router_urls=tuple(args.router_url),
         cluster_token=token,
         kv_events_port=args.kv_events_port,
         kv_side_channel_port=args.kv_side_channel_port,

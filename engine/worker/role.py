@@ -34,6 +34,8 @@ class RoleContext:
     cluster_token: ClusterToken | None = None  # the KV side channel requires it when set
     kv_side_channel_port: int = 0  # 0: any free port
     kv_data_port: int = 0
+    fingerprint: str = "unset"  # engine/fingerprint.py digest: the KV handshake compares it
+    identity: str = "unset"  # its readable form
 
 
 class WorkerRole(Protocol):

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine import fingerprint
 from tandem.engine.builder import EngineParts
 from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.config import EngineConfig
@@ -30,8 +31,10 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     advertise_host: str | None = None  # the address others reach us at (pod IP in Kubernetes)
-    router_url: str | None = None
+    router_url: str | None = None  # one router; ``router_urls`` for several
     heartbeat_interval_s: float = 1.0
+    router_urls: tuple[str, ...] = ()
+    router_resolve_interval_s: float = 5.0  # how often router names are resolved again
     # Required on the internal API, KV events and the KV side channel; None only in-process
     # (tests): the CLI refuses to start without one.
     cluster_token: ClusterToken | None = None
@@ -52,6 +55,11 @@ class WorkerService:
         self.registry = worker_registry(
             lambda: self.thread.stats, self._counters, self.model_name, role.role.label
         )
+        layout = parts.layout
+        self.fingerprint = fingerprint.compute(
+            parts.model_path, layout.dtype, layout.block_size, layout.num_layers,
+            layout.num_kv_heads, layout.head_dim,
+        )  # fmt: skip
         ctx = RoleContext(
             self.engine_id,
             config.host,
@@ -61,6 +69,8 @@ class WorkerService:
             config.cluster_token,
             config.kv_side_channel_port,
             config.kv_data_port,
+            self.fingerprint.digest,
+            self.fingerprint.describe(),
         )
         self.engine = Engine(parts, role.attach(parts, ctx))
         self.events = KVEventPublisher(
@@ -94,6 +104,7 @@ class WorkerService:
             "max_model_len": self.engine.max_model_len,
             "num_blocks": self.engine.layout.num_blocks,
             "kv_events_endpoint": self.events_endpoint,
+            "fingerprint": self.fingerprint.digest,
             **self.role.info(),
         }
 

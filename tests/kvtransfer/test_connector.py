@@ -422,3 +422,22 @@ def test_connectors_with_different_tokens_never_handshake(make) -> None:
     result = dc.load("d")
     assert not result.ok and result.reason in (FailureReason.UNAUTHORIZED, FailureReason.HANDSHAKE)
     assert not dec.kv_cache.view(torch.uint8).any()
+
+
+def test_different_fingerprints_never_exchange_kv(make) -> None:
+    """Another model computed the prefill's KV: refused at the handshake, naming both sides,
+    before a byte reaches decode's blocks; the same fingerprint moves the blocks."""
+    pre = make("tcp", "prefill", seed=41, fingerprint="aaaa", identity="model A")
+    other = make("tcp", "decode", fingerprint="bbbb", identity="model B")
+    same_fp = make("tcp", "decode", fingerprint="aaaa", identity="model A")
+    params = pre.publish("req", [2, 3], 32, 1)
+    oc, sc = Collector(other), Collector(same_fp)
+    other.start_load("d", params, [2, 3], [4, 5])
+    result = oc.load("d")
+    assert (result.ok, result.reason) == (False, FailureReason.INCOMPATIBLE)
+    assert "model A" in result.detail and "model B" in result.detail
+    assert not other.kv_cache.view(torch.uint8).any()
+    same_fp.start_load("d", params, [2, 3], [4, 5])
+    assert sc.load("d").ok
+    assert same(same_fp.kv_cache[4:6], pre.kv_cache[2:4])
+    Collector(pre).release("req")

@@ -231,6 +231,10 @@ def test_render_commands() -> None:
         "/etc/tandem/cluster-token/token",
         "--kv-transport",
         "ucx",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
         "--kv-events-port",
         "8201",
         "--served-model-name",
@@ -551,3 +555,84 @@ def test_internal_service_is_headless_and_separate_from_the_public_one() -> None
     assert [p["name"] for p in public["ports"]] == ["http"]
     router = named["Deployment/demo-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["ports"][1] == {"name": "internal", "containerPort": 8001, "protocol": "TCP"}
+
+
+def _worker_flags(spec: TandemServiceSpec, pool: str) -> dict[str, Any]:
+    named = by_name(render_children(OWNER, spec, Replicas(1, 1)))
+    (c,) = named[f"Deployment/demo-{pool}"]["spec"]["template"]["spec"]["containers"]
+    args = c["args"]
+    return {
+        "device": args[args.index("--device") + 1],
+        "dtype": args[args.index("--dtype") + 1],
+        "gpus": c["resources"].get("limits", {}).get("nvidia.com/gpu"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("sample", "pool", "expected"),
+    [
+        ("demo-cpu.yaml", "prefill", {"device": "cpu", "dtype": "float32", "gpus": None}),
+        ("demo-cpu.yaml", "decode", {"device": "cpu", "dtype": "float32", "gpus": None}),
+        ("gpu-pvc.yaml", "prefill", {"device": "cuda", "dtype": "bfloat16", "gpus": "1"}),
+        ("gpu-pvc.yaml", "decode", {"device": "cuda", "dtype": "bfloat16", "gpus": "1"}),
+    ],
+)
+def test_samples_render_device_and_dtype_from_their_resources(
+    sample: str, pool: str, expected: dict[str, Any]
+) -> None:
+    doc = next(d for n, d in SAMPLES if n.startswith(f"{sample}:TandemService"))
+    assert _worker_flags(parse_spec(doc["spec"]), pool) == expected
+
+
+def test_explicit_device_and_dtype_win() -> None:
+    spec = parse_spec({"decode": {"device": "cuda:1", "dtype": "float16",
+                                  "resources": {"limits": {"nvidia.com/gpu": 2}}},
+                       "prefill": {"dtype": "bfloat16"}})  # fmt: skip
+    assert _worker_flags(spec, "decode") == {"device": "cuda:1", "dtype": "float16", "gpus": "2"}
+    assert _worker_flags(spec, "prefill") == {"device": "cpu", "dtype": "bfloat16", "gpus": None}
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"device": "cuda"}, "spec.decode.device"),
+        ({"dtype": "float16"}, "spec.decode.dtype"),
+        ({"served-model-name": "x"}, "model.name"),
+        ({"model": "/other"}, "model"),
+    ],
+)
+def test_engine_options_may_not_collide_with_first_class_fields(
+    options: dict[str, str], names: str
+) -> None:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"decode": {"engineOptions": options}})
+    assert "collides" in str(e.value) and names in str(e.value)
+    assert f"spec.decode.engineOptions.{next(iter(options))}" in str(e.value)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu"])
+def test_bad_device_is_refused(device: str) -> None:
+    with pytest.raises(SpecError, match="device"):
+        parse_spec({"prefill": {"device": device}})
+
+
+def _fingerprint_label(spec: TandemServiceSpec, pool: str) -> str:
+    named = by_name(render_children(OWNER, spec, Replicas(1, 1)))
+    return named[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["labels"][
+        "tandem.dev/fingerprint"
+    ]
+
+
+def test_worker_pods_carry_their_fingerprint_label() -> None:
+    spec = gpu_spec()
+    assert _fingerprint_label(spec, "prefill") == _fingerprint_label(spec, "decode")
+    router = by_name(render_children(OWNER, spec, Replicas(1, 1)))["Deployment/demo-router"]
+    assert "tandem.dev/fingerprint" not in router["spec"]["template"]["metadata"]["labels"]
+    raw = next(d for n, d in SAMPLES if n.startswith("gpu-pvc.yaml:TandemService"))["spec"]
+    new_image = parse_spec({**raw, "image": "ghcr.io/tandem-llm/tandem:0.2.0"})
+    assert _fingerprint_label(new_image, "decode") != _fingerprint_label(spec, "decode")
+    fp16 = parse_spec({**raw, "decode": {**raw["decode"], "dtype": "float16"}})
+    assert _fingerprint_label(fp16, "decode") != _fingerprint_label(fp16, "prefill")
+    more_seqs = parse_spec({**raw, "decode": {**raw["decode"],
+                                              "engineOptions": {"max_num_seqs": 8}}})  # fmt: skip
+    assert _fingerprint_label(more_seqs, "decode") == _fingerprint_label(spec, "decode")

@@ -144,3 +144,14 @@ def test_decide_prefill_overloaded_pool(
         overload_queue=limit,
     )
     assert (d.mode, d.reason) == (mode, reason)
+
+
+def test_decide_prefill_incompatible_pool_prefills_locally() -> None:
+    common = dict(prompt_tokens=500, decode_cached_tokens=0, threshold_tokens=0,
+                  decode_is_colocated=False)  # fmt: skip
+    d = decide_prefill(**common, prefill_available=False, prefill_incompatible=True)
+    assert (d.mode, d.reason) == (PrefillMode.LOCAL, "incompatible")
+    d = decide_prefill(**common, prefill_available=False)
+    assert (d.mode, d.reason) == (PrefillMode.LOCAL, "local_no_prefill_worker")
+    d = decide_prefill(**common, prefill_available=True)
+    assert d.mode is PrefillMode.REMOTE

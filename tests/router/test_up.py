@@ -131,3 +131,20 @@ def test_up_worker_dying_at_startup_fails_with_log_tail(
     assert "decode-1 exited with code 3" in out
     assert "boom: cannot load weights" in out
     assert "READY" not in out
+
+
+def test_specs_with_several_routers() -> None:
+    cfg = UpConfig(port=9000, prefill=1, decode=1, routers=3, internal_port=9100)
+    specs = build_specs(cfg, iter([7001, 7002]), python=PY, token="t" * 32)
+    routers = [s for s in specs if s.role == "router"]
+    assert [s.name for s in routers] == ["router-0", "router-1", "router-2"]
+    assert [s.url for s in routers] == [f"http://127.0.0.1:{p}" for p in (9000, 9001, 9002)]
+    assert [s.internal_url for s in routers] == [
+        f"http://127.0.0.1:{p}" for p in (9100, 9101, 9102)
+    ]
+    for w in specs[3:]:
+        urls = [w.argv[i + 1] for i, a in enumerate(w.argv) if a == "--router-url"]
+        assert urls == [r.internal_url for r in routers]  # every worker, every router
+    assert {s.env for s in specs} == {(("TANDEM_CLUSTER_TOKEN", "t" * 32),)}
+    with pytest.raises(SystemExit):
+        parse_config(["--routers", "0"])

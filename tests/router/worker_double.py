@@ -88,10 +88,10 @@ class Served:
         await asyncio.wait_for(self.task, 10)
 
 
-async def serve(app: Any, port: int = 0, lifespan: str = "on") -> Served:
+async def serve(app: Any, port: int = 0, lifespan: str = "on", host: str = "127.0.0.1") -> Served:
     """Serve an ASGI app on a loopback port in this event loop; returns once it accepts."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", port))
+    sock.bind((host, port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1

@@ -288,7 +288,9 @@ def test_rogue_decode_with_the_token_but_not_the_secret_gets_nothing(up: SecureU
     params = KVTransferParams.from_dict(wire)
     guessed = KVTransferParams.from_dict({**wire, "transfer_secret": "0" * 64})
     kv = torch.zeros(DEMO_LAYOUT.shape, dtype=torch.float32)
-    rogue = create_connector("tcp", DEMO_LAYOUT, kv, "decode",
+    # A compromised decode: the cluster token and the model's fingerprint, not the secret.
+    fingerprint = httpx.get(f"{prefill}/info", headers=up.auth).json()["fingerprint"]
+    rogue = create_connector("tcp", DEMO_LAYOUT, kv, "decode", fingerprint=fingerprint,
                              cluster_token=ClusterToken([up.token]))  # fmt: skip
     try:
         blocks = list(params.block_ids)

@@ -1,0 +1,200 @@
+"""``tandem up``'s configuration: flags, and the command line of every child it starts.
+
+Pure (no processes): ``parse_config`` turns argv into an ``UpConfig``; ``build_specs`` turns that
+into ``ProcessSpec`` s, routers first. ``up.py`` runs and supervises them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
+from tandem.transports import TRANSPORTS, pick, require
+
+ROUTER = "router"
+
+
+@dataclass(slots=True, frozen=True)
+class UpConfig:
+    model: str = "demo"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    kv_transport: str = "ucx"
+    api_key: str | None = None
+    local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0
+    policy: str = "prefix-aware"
+    engine_options: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0
+    log_dir: str | None = None
+    internal_port: int | None = None  # the first router's registry listener; None: free ports
+    cluster_token_file: str | None = None
+    routers: int = 1  # router processes on consecutive ports, every worker registered with all
+    notes: tuple[str, ...] = ()  # what parse_config chose for the user (printed at start)
+
+
+@dataclass(slots=True, frozen=True)
+class ProcessSpec:
+    """One child: ``role`` is ``router`` or the worker role it registers as."""
+
+    name: str
+    role: str
+    argv: tuple[str, ...]
+    url: str
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # secrets: never printed
+    internal_url: str | None = None  # the router's registry listener (router only)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def router_ports(cfg: UpConfig) -> list[int]:
+    """The routers' public ports: ``--port`` and the ones after it."""
+    return [cfg.port + i for i in range(cfg.routers)]
+
+
+def build_specs(
+    cfg: UpConfig, ports: Iterator[int], python: str = sys.executable, token: str = ""
+) -> list[ProcessSpec]:
+    """The routers first, then the workers; ``--prefill 0`` makes the decode workers colocated.
+    ``token`` (the cluster token) goes into every child's environment, never its argv. Every
+    worker gets every router's internal URL (one ``--router-url`` each)."""
+    base = (python, "-m", "tandem.cli")
+    taken = set(router_ports(cfg))
+    if cfg.internal_port is not None:
+        taken |= {cfg.internal_port + i for i in range(cfg.routers)}
+
+    def next_port() -> int:
+        # A port probed free can be a router's own (not bound yet) or one handed out already.
+        port = next(p for p in ports if p not in taken)
+        taken.add(port)
+        return port
+
+    # Secrets travel in the environment, not argv, so `ps` does not show them.
+    shared = ((CLUSTER_TOKEN_ENV, token),) if token else ()
+    env = shared + ((("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ())
+    specs = []
+    for i, port in enumerate(router_ports(cfg)):
+        internal_port = cfg.internal_port + i if cfg.internal_port is not None else next_port()
+        internal_url = f"http://{cfg.host}:{internal_port}"
+        router_argv = base + (
+            ROUTER, "--model", cfg.model, "--host", cfg.host, "--port", str(port),
+            "--internal-port", str(internal_port),
+            "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
+            "--prefill-overload-queue", str(cfg.prefill_overload_queue),
+        )  # fmt: skip
+        name = ROUTER if cfg.routers == 1 else f"{ROUTER}-{i}"
+        url = f"http://{cfg.host}:{port}"
+        specs.append(ProcessSpec(name, ROUTER, router_argv, url, env, internal_url))
+    registries: tuple[str, ...] = ()
+    for r in specs:
+        registries += ("--router-url", r.internal_url or r.url)
+    decode_role = "decode" if cfg.prefill > 0 else "colocated"
+    roles = ["prefill"] * cfg.prefill + [decode_role] * cfg.decode
+    counters: dict[str, int] = {}
+    for role in roles:
+        i = counters.get(role, 0)
+        counters[role] = i + 1
+        port = next_port()
+        argv = base + (
+            role, "--model", cfg.model, "--host", "127.0.0.1", "--port", str(port),
+            *registries, "--kv-transport", cfg.kv_transport,
+        )  # fmt: skip
+        for opt in cfg.engine_options:
+            argv += ("--engine-option", opt)
+        specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
+    return specs
+
+
+def curl_line(cfg: UpConfig) -> str:
+    content = "Hello!"
+    if cfg.model == "demo":
+        from tandem.engine.demo.task import make_user_message
+
+        content = make_user_message("hello42")
+    body = {"model": cfg.model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 32}  # fmt: skip
+    parts = ["curl", f"http://{cfg.host}:{cfg.port}/v1/chat/completions",
+             "-H", "Content-Type: application/json"]  # fmt: skip
+    if cfg.api_key:
+        parts += ["-H", f"Authorization: Bearer {cfg.api_key}"]
+    parts += ["-d", json.dumps(body)]
+    return shlex.join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem up", description="Run router and workers locally")
+    p.add_argument("--model", default="demo", help="'demo' (default) or a local HF directory")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers; 0 = colocated")
+    p.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="R",
+        help="router processes on --port, --port+1, ...; workers register with all",
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="default: ucx when ucxx is installed, else tcp (said at start)",
+    )
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS")
+    p.add_argument("--prefill-overload-queue", type=int, default=0, metavar="REQUESTS",
+                   help="prefill on decode when every prefill worker has this many queued "
+                   "(0: never)")  # fmt: skip
+    p.add_argument("--policy", choices=("prefix-aware", "least-load", "round-robin"),
+                   default="prefix-aware")  # fmt: skip
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to every worker (repeatable)")  # fmt: skip
+    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    p.add_argument("--internal-port", type=int, default=None,
+                   help="the router's worker-registry port (default: a free port)")  # fmt: skip
+    p.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}, else a random one per "
+                   "run); children get it in their environment")  # fmt: skip
+    return p
+
+
+def parse_config(argv: list[str]) -> UpConfig:
+    a = build_parser().parse_args(argv)
+    if a.prefill < 0 or a.decode < 1:
+        raise SystemExit("tandem up: --prefill must be >= 0 and --decode >= 1")
+    if a.local_prefill_threshold < 0 or a.prefill_overload_queue < 0:
+        raise SystemExit(
+            "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
+        )
+    if a.model != "demo" and not Path(a.model).is_dir():
+        raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
+    if not 1 <= a.routers <= 16:
+        raise SystemExit("tandem up: --routers must be in 1..16")
+    if a.kv_transport is not None:
+        require(a.kv_transport, "tandem up")
+    transport, note = pick(a.kv_transport)
+    return UpConfig(
+        model=a.model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
+        kv_transport=transport, api_key=a.api_key, routers=a.routers,
+        notes=(note,) if note else (),
+        local_prefill_threshold=a.local_prefill_threshold,
+        prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
+        engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
+        log_dir=a.log_dir, internal_port=a.internal_port,
+        cluster_token_file=a.cluster_token_file,
+    )  # fmt: skip
