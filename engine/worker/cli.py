@@ -59,6 +59,11 @@ def parser(role: Role) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any engine option, e.g. max_num_seqs=64 (repeatable)",
     )
+    p.add_argument(
+        "--max-waiting-requests", type=int, default=None, metavar="N",
+        help="refuse generate with 503 beyond this many waiting requests "
+        "(default: 4 x max_num_seqs)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -67,6 +72,8 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     """Run the worker of ``role`` with the parsed shared flags until it is stopped."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise SystemExit("--max-waiting-requests must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     import uvicorn
 
@@ -89,12 +96,22 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         port=args.port,
         advertise_host=args.advertise_host,
         router_url=args.router_url,
+        max_waiting_requests=args.max_waiting_requests,
     )
-    uvicorn.run(
-        create_app(config, role),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        access_log=False,
+    app = create_app(config, role)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
     )
+    app.state.shutdown = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.engine_failed:
+        logging.getLogger(__name__).critical("exiting: the engine thread died")
+        return 1
     return 0

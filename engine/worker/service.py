@@ -8,6 +8,7 @@ engine thread, the KV event publisher and the metrics registry. ``close`` stops 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,11 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.engine.request import Request
+from tandem.engine.resume import continue_sequence
 from tandem.engine.worker.engine_thread import EngineThread
 from tandem.engine.worker.kv_publisher import KVEventPublisher
 from tandem.engine.worker.metrics import worker_registry
-from tandem.engine.worker.protocol import GenerateRequest
+from tandem.engine.worker.protocol import GenerateRequest, QueueFull
 from tandem.engine.worker.role import RoleContext, WorkerRole
 
 
@@ -31,10 +33,21 @@ class WorkerConfig:
     advertise_host: str | None = None  # the address others reach us at (pod IP in Kubernetes)
     router_url: str | None = None
     heartbeat_interval_s: float = 1.0
+    # Requests waiting for the engine beyond which generate answers 503 (None: 4 x max_num_seqs).
+    max_waiting_requests: int | None = None
+
+
+WAITING_PER_SEQ = 4  # default waiting-queue bound, per sequence slot of the batch
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, role: WorkerRole, parts: EngineParts) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        role: WorkerRole,
+        parts: EngineParts,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.config = config
         self.role = role
         self.engine_id = uuid.uuid4().hex
@@ -51,7 +64,9 @@ class WorkerService:
         self.engine = Engine(parts, role.attach(parts, ctx))
         self.events = KVEventPublisher(self.engine_id, host=config.host)
         self.events_endpoint = self.events.endpoint.replace(config.host, host, 1)
-        self.thread = EngineThread(self.engine, after_step=self._after_step)
+        self.thread = EngineThread(self.engine, after_step=self._after_step, on_fatal=on_fatal)
+        seqs = parts.config.scheduler.max_num_seqs
+        self.max_waiting = config.max_waiting_requests or WAITING_PER_SEQ * seqs
 
     def _counters(self) -> dict[str, int]:
         return {
@@ -63,7 +78,11 @@ class WorkerService:
         self.events.publish(engine.take_kv_events())
 
     def submit(self, req: GenerateRequest) -> list[Request]:
-        """On the engine thread: build, role-check and queue; ValueError leaves nothing queued."""
+        """On the engine thread: build, role-check and queue; ValueError (or QueueFull) leaves
+        nothing queued."""
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting + req.params.n > self.max_waiting:
+            raise QueueFull(f"this worker's queue is full ({waiting} requests waiting)")
         return submit(self.engine, self.role, req)
 
     def info(self) -> dict[str, Any]:
@@ -77,6 +96,7 @@ class WorkerService:
             "hash_algorithm": HASH_ALGORITHM,
             "max_model_len": self.engine.max_model_len,
             "num_blocks": self.engine.layout.num_blocks,
+            "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
             "kv_events_endpoint": self.events_endpoint,
             **self.role.info(),
         }
@@ -103,12 +123,22 @@ class WorkerService:
 def submit(engine: Engine, role: WorkerRole, req: GenerateRequest) -> list[Request]:
     """Build the request(s), let the role apply its fields, queue them (engine thread only).
 
-    Raises BadRequest / ValueError with nothing queued.
+    Raises BadRequest / ValueError with nothing queued (a group whose later member fails is
+    aborted whole).
     """
     reqs = engine.make_requests(
         req.request_id, req.prompt_token_ids, req.params, priority=req.priority
     )
+    if req.resume_token_ids:
+        continue_sequence(reqs[0], req.resume_token_ids, engine.arch.vocab_size)
     role.intake(engine, reqs, req)
-    for r in reqs:
-        engine.enqueue(r)
+    queued: list[Request] = []
+    try:
+        for r in reqs:
+            engine.enqueue(r)
+            queued.append(r)
+    except BaseException:
+        if queued:
+            engine.abort([r.request_id for r in queued])
+        raise
     return reqs
