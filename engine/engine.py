@@ -156,7 +156,9 @@ class Engine:
         """A request of this id may still hold blocks here: tracked (running, waiting, loading
         or handing off), still loading after an abort, or pinned for a decode worker."""
         s = self.scheduler
-        return request_id in self._requests or request_id in s.loading or request_id in s.pinned
+        if request_id in self._requests or request_id in s.loading or request_id in s.pinned:
+            return True
+        return any(r.group_id == request_id for r in self._requests.values())
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort by request id or group id (n > 1). Blocks return to the pool once nothing may
@@ -189,6 +191,7 @@ class Engine:
         ids = [r.request_id for r in reqs if r not in handed_off]
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         for req in done:
+            req.status = RequestStatus.FINISHED_ERROR  # a pinned culprit too
             req.error = message
         for req in handed_off:
             req.status = RequestStatus.FINISHED_ERROR
@@ -225,17 +228,17 @@ class Engine:
             outputs += self._finals(self.hooks.before_step(sched))
             out = sched.schedule()
             outputs += self._finals(self.hooks.on_scheduled(sched, out))
-            if out.is_empty:
-                return outputs
-            victims = [s.request for s in out.scheduled]
-            result = self.runner.execute(out)
-            for s in out.scheduled:
-                if s.request.num_computed_tokens < s.request.num_prompt_tokens:
-                    self.num_prompt_tokens += min(
-                        s.num_new_tokens,
-                        s.request.num_prompt_tokens - s.request.num_computed_tokens,
-                    )
-            changed = sched.update(out, result)
+            changed: list[Request] = []
+            if not out.is_empty:
+                victims = [s.request for s in out.scheduled]
+                result = self.runner.execute(out)
+                for s in out.scheduled:
+                    if s.request.num_computed_tokens < s.request.num_prompt_tokens:
+                        self.num_prompt_tokens += min(
+                            s.num_new_tokens,
+                            s.request.num_prompt_tokens - s.request.num_computed_tokens,
+                        )
+                changed = sched.update(out, result)
         except Exception as exc:  # noqa: BLE001 - contained; EngineFailed escapes
             self._failed_steps += 1
             if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
