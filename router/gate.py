@@ -102,6 +102,7 @@ class AdmissionGate:
             if fut is not None and not fut.done():
                 fut.set_result(None)
         self._metrics.queue_depth.set(self._adm.depth)
+        self._metrics.inflight.set(self._adm.inflight)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

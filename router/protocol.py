@@ -21,6 +21,7 @@ M = TypeVar("M", bound=BaseModel)
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_PRIORITY = 2**31 - 1
 
 
 class _Strict(BaseModel):
@@ -69,6 +70,9 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: lower is served first, in the router's queue and the workers'; under
+    # overload the highest values are shed first.
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("top_k")
     @classmethod

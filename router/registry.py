@@ -38,6 +38,7 @@ class WorkerInfo:
     num_blocks: int
     kv_events_endpoint: str | None
     kv_side_channel: str | None
+    max_num_seqs: int | None = None  # the worker's batch size (admission's default limit)
 
     @classmethod
     def from_json(cls, d: object) -> WorkerInfo:
@@ -57,6 +58,11 @@ class WorkerInfo:
             v = d.get(key)
             if v is not None and not isinstance(v, str):
                 raise bad_request(f"{key} must be a string or null", key)
+        seqs = d.get("max_num_seqs")
+        if seqs is not None and (
+            not isinstance(seqs, int) or isinstance(seqs, bool) or not 1 <= seqs <= 1 << 20
+        ):
+            raise bad_request("max_num_seqs must be an integer in [1, 2**20]", "max_num_seqs")
         url = d["url"].rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise bad_request("url must be an http(s) URL", "url")
@@ -71,6 +77,7 @@ class WorkerInfo:
             num_blocks=d["num_blocks"],
             kv_events_endpoint=d.get("kv_events_endpoint") or None,
             kv_side_channel=d.get("kv_side_channel"),
+            max_num_seqs=seqs,
         )
 
 
