@@ -4,9 +4,12 @@
 (each worker learns the router only through registration, retrying until it listens), waits until
 every worker has registered, prints the
 URL and a ready-to-paste curl line, and supervises: Ctrl-C or SIGTERM stops every child (SIGTERM,
-then SIGKILL after a grace period), and a child that dies takes the whole set down with its log tail
-printed, so no process is ever left orphaned. Children run in their own sessions (the terminal's
-Ctrl-C reaches only this process, which forwards it) and, on Linux, get SIGTERM if it dies.
+then SIGKILL after a grace period), so no process is ever left orphaned. A child that exits after
+start-up is reported with its log tail and restarted on the same port after a bounded backoff
+(1 s doubling to 30 s; back to 1 s once it ran a minute), each restart printed; the router drops
+the dead worker meanwhile and the restarted one registers under a new engine id. A child that dies
+during start-up fails the whole start. Children run in their own sessions (the terminal's Ctrl-C
+reaches only this process, which forwards it) and, on Linux, get SIGTERM if it dies.
 """
 
 from __future__ import annotations
@@ -47,6 +50,23 @@ class UpConfig:
     engine_options: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
+    # Router admission, deadline and migration flags; None: the router's default (not passed).
+    max_inflight_requests: int | None = None
+    max_queued_requests: int | None = None
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+    migration_limit: int | None = None
+
+
+_ROUTER_PASSTHROUGH = (
+    ("max_inflight_requests", "--max-inflight-requests"),
+    ("max_queued_requests", "--max-queued-requests"),
+    ("queue_timeout", "--queue-timeout"),
+    ("request_timeout", "--request-timeout"),
+    ("migration_limit", "--migration-limit"),
+)
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+HEALTHY_RUN_S = 60.0  # a child that ran this long restarts from the first backoff step again
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +97,10 @@ def build_specs(
         "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
         "--prefill-overload-queue", str(cfg.prefill_overload_queue),
     )  # fmt: skip
+    for attr, flag in _ROUTER_PASSTHROUGH:
+        value = getattr(cfg, attr)
+        if value is not None:
+            router_argv += (flag, str(value))
     # The key travels in the environment, not argv, so `ps` does not show it.
     env = (("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ()
     specs = [ProcessSpec(ROUTER, ROUTER, router_argv, router_url, env)]
@@ -126,6 +150,10 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes] = field(repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff_step: int = 0
+    restart_at: float | None = None  # set while a restart is pending
 
     def tail(self, lines: int = 30) -> str:
         self.log_file.flush()
@@ -160,19 +188,44 @@ class Supervisor:
     def spawn(self, spec: ProcessSpec) -> Child:
         log_path = self.log_dir / f"{spec.name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
+        child = Child(spec, self._popen(spec, log_file), log_path, log_file)
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _popen(spec: ProcessSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
         env = {**os.environ, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             spec.argv,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run before the spawns
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - the supervisor runs no threads
         )
-        child = Child(spec, proc, log_path, log_file)
-        self.children.append(child)
-        return child
+
+    def watch(self, now: float) -> None:
+        """Report children that exited and restart them when their backoff is over."""
+        for c in self.children:
+            if c.restart_at is None and c.proc.poll() is not None:
+                ran = now - c.started_at
+                if ran >= HEALTHY_RUN_S:
+                    c.backoff_step = 0
+                delay = RESTART_BACKOFF_S[min(c.backoff_step, len(RESTART_BACKOFF_S) - 1)]
+                c.backoff_step += 1
+                c.restart_at = now + delay
+                self.out(f"tandem up: {c.spec.name} exited with code {c.proc.returncode} after "
+                         f"{ran:.0f} s; restarting in {delay:g} s. Last lines of {c.log_path}:\n"
+                         f"{c.tail()}")  # fmt: skip
+            elif c.restart_at is not None and now >= c.restart_at:
+                c.log_file.write(f"\n--- tandem up: restart {c.restarts + 1} ---\n".encode())
+                c.log_file.flush()
+                c.proc = self._popen(c.spec, c.log_file)
+                c.restarts += 1
+                c.started_at, c.restart_at = now, None
+                self.out(f"tandem up: restarted {c.spec.name} (restart {c.restarts}), "
+                         f"pid {c.proc.pid}")  # fmt: skip
 
     def dead(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
@@ -255,17 +308,8 @@ def run(
         for c in supervisor.children:
             out(f"  {c.spec.name:<12} pid {c.proc.pid:<8} {c.spec.url}  log: {c.log_path}")
         on_ready()
-        reported: set[str] = set()
         while not supervisor.stopping:
-            for child in supervisor.children:
-                if child.proc.poll() is None or child.spec.name in reported:
-                    continue
-                reported.add(child.spec.name)
-                out(f"tandem up: {child.spec.name} exited with code {child.proc.returncode}. "
-                    f"Last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
-            if not _can_serve(supervisor, router):
-                out("tandem up: the router or every decode worker is gone; stopping")
-                return 1
+            supervisor.watch(time.monotonic())
             time.sleep(0.2)
         out("tandem up: stopping")
         return 0
@@ -277,14 +321,6 @@ def run(
         return 1
     finally:
         supervisor.stop_all()
-
-
-def _can_serve(supervisor: Supervisor, router: ProcessSpec) -> bool:
-    """A dead prefill or one of several decode workers is survivable: the router drops it from
-    its registry and places traffic on the others (or prefills on decode). Serving needs the
-    router and at least one decode (or colocated) worker."""
-    alive = [c.spec for c in supervisor.children if c.proc.poll() is None]
-    return router in alive and any(s.role in ("decode", "colocated") for s in alive)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed to every worker (repeatable)")  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    from tandem.router.cli import add_admission_args
+
+    add_admission_args(p)  # passed to the router only when given
+    p.set_defaults(**{attr: None for attr, _ in _ROUTER_PASSTHROUGH})
     return p
 
 
@@ -317,6 +357,17 @@ def parse_config(argv: list[str]) -> UpConfig:
         raise SystemExit(
             "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
         )
+    from tandem.router.cli import admission_errors
+    from tandem.router.cli import build_parser as router_parser
+
+    given = {attr: getattr(a, attr) for attr, _ in _ROUTER_PASSTHROUGH}
+    checked = router_parser().parse_args([])
+    for attr, value in given.items():
+        if value is not None:
+            setattr(checked, attr, value)
+    problem = admission_errors(checked)
+    if problem is not None:
+        raise SystemExit(f"tandem up: {problem}")
     if a.model != "demo" and not Path(a.model).is_dir():
         raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
     return UpConfig(
@@ -325,7 +376,7 @@ def parse_config(argv: list[str]) -> UpConfig:
         local_prefill_threshold=a.local_prefill_threshold,
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
-        log_dir=a.log_dir,
+        log_dir=a.log_dir, **given,
     )  # fmt: skip
 
 

@@ -126,3 +126,63 @@ def test_up_worker_dying_at_startup_fails_with_log_tail(
     assert "decode-1 exited with code 3" in out
     assert "boom: cannot load weights" in out
     assert "READY" not in out
+
+
+def test_specs_pass_admission_flags_to_the_router_only_when_given() -> None:
+    cfg = parse_config(["--max-inflight-requests", "64", "--request-timeout", "30",
+                        "--migration-limit", "0"])  # fmt: skip
+    router_argv = build_specs(cfg, iter([1, 2]), python=PY)[0].argv
+    assert router_argv[-6:] == (
+        "--max-inflight-requests", "64", "--request-timeout", "30.0", "--migration-limit", "0",
+    )  # fmt: skip
+    assert "--max-queued-requests" not in router_argv
+    with pytest.raises(SystemExit):
+        parse_config(["--max-queued-requests", "-1"])
+
+
+def test_up_restarts_a_worker_that_dies(tokenizer_dir: Path, tmp_path: Path) -> None:
+    import threading
+
+    proc, port = _start(tokenizer_dir, tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_line(pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(lines):
+                if m := re.search(pattern, line):
+                    return m
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_line("^READY")
+        pid = int(wait_line(r"decode-0\s+pid (\d+)").group(1))
+        old = {w["engine_id"] for w in httpx.get(f"{url}/internal/workers").json()["workers"]}
+        os.kill(pid, signal.SIGKILL)
+        wait_line(r"decode-0 exited with code -9 after \d+ s; restarting in 1 s")
+        new_pid = int(wait_line(r"restarted decode-0 \(restart 1\), pid (\d+)").group(1))
+        assert new_pid != pid
+
+        def registered_again() -> bool:
+            workers = httpx.get(f"{url}/internal/workers").json()["workers"]
+            return len(workers) == 2 and any(w["engine_id"] not in old for w in workers)
+
+        deadline = time.monotonic() + 30
+        while not registered_again():
+            assert time.monotonic() < deadline, "the restarted worker never registered"
+            time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/completions", timeout=30,
+                       json={"model": "test-model", "prompt": "abc", "max_tokens": 3})  # fmt: skip
+        assert r.json()["choices"][0]["text"] == "cba"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not _alive(new_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -96,6 +96,8 @@ class Served:
 async def serve(app: Any, port: int = 0) -> Served:
     """Serve an ASGI app on a loopback port in this event loop; returns once it accepts."""
     sock = socket.socket()
+    # A restarted worker takes its predecessor's port, which may still have TIME_WAIT sockets.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
