@@ -80,10 +80,7 @@ class WorkerService:
     def submit(self, req: GenerateRequest) -> list[Request]:
         """On the engine thread: build, role-check and queue; ValueError (or QueueFull) leaves
         nothing queued."""
-        waiting = len(self.engine.scheduler.waiting)
-        if waiting + req.params.n > self.max_waiting:
-            raise QueueFull(f"this worker's queue is full ({waiting} requests waiting)")
-        return submit(self.engine, self.role, req)
+        return submit(self.engine, self.role, req, self.max_waiting)
 
     def info(self) -> dict[str, Any]:
         """The registration body (docs/internal-api.md WorkerInfo)."""
@@ -120,15 +117,21 @@ class WorkerService:
         self.events.close()
 
 
-def submit(engine: Engine, role: WorkerRole, req: GenerateRequest) -> list[Request]:
+def submit(
+    engine: Engine, role: WorkerRole, req: GenerateRequest, max_waiting: int | None = None
+) -> list[Request]:
     """Build the request(s), let the role apply its fields, queue them (engine thread only).
 
-    Raises BadRequest / ValueError with nothing queued (a group whose later member fails is
-    aborted whole).
+    Raises BadRequest / ValueError (the request is at fault), then QueueFull (more than
+    ``max_waiting`` would wait), with nothing queued; a group whose later member fails to queue
+    is aborted whole.
     """
     reqs = engine.make_requests(
         req.request_id, req.prompt_token_ids, req.params, priority=req.priority
     )
+    waiting = len(engine.scheduler.waiting)
+    if max_waiting is not None and waiting + len(reqs) > max_waiting:
+        raise QueueFull(f"this worker's queue is full ({waiting} requests waiting)")
     if req.resume_token_ids:
         continue_sequence(reqs[0], req.resume_token_ids, engine.arch.vocab_size)
     role.intake(engine, reqs, req)
