@@ -18,5 +18,10 @@ def main(argv: list[str]) -> int:
         help="when a KV pull fails: prefill the prompt here (recompute) or fail the request",
     )
     args = p.parse_args(argv)
-    role = DecodeRole(args.kv_transport, args.kv_lease_seconds, args.kv_load_failure_policy)
+    role = DecodeRole(
+        args.kv_transport,
+        args.kv_lease_seconds,
+        args.kv_load_failure_policy,
+        args.kv_transfer_timeout,
+    )
     return serve(args, role)

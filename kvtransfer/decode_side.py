@@ -76,7 +76,9 @@ class DecodeSide:
         with self._ctx.lock:
             still_held = self._held.get(request_id) is params
         if still_held:
-            peer.held[params.remote_request_id] = Held(params, self._ctx.clock())
+            # Renewed on the next tick: the lease becomes this decode's at once (a retry after
+            # another decode failed must own it before that one's late release arrives).
+            peer.held[params.remote_request_id] = Held(params, float("-inf"))
 
     def start_load(
         self,

@@ -241,7 +241,7 @@ class PrefillSide:
                 )
             if problem is None:
                 assert pub is not None
-                self._leases.begin_transfer(msg.request_id, self._ctx.clock())
+                self._leases.begin_transfer(msg.request_id, self._ctx.clock(), ident)
                 pub.peer = ident
         if problem is not None:
             self._reject(ident, code, problem, msg.request_id, msg.xfer_id)
@@ -271,7 +271,7 @@ class PrefillSide:
         with self._ctx.lock:
             for rid in msg.request_ids:
                 if msg.engine_id != self._ctx.engine_id or not self._leases.renew(
-                    rid, self._ctx.clock()
+                    rid, self._ctx.clock(), ident
                 ):
                     gone.append(rid)
         for rid in gone:
@@ -286,5 +286,7 @@ class PrefillSide:
             return
         with self._ctx.lock:
             self._apply_released(
-                self._leases.release(msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock())
+                self._leases.release(
+                    msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock(), ident
+                )
             )

@@ -9,4 +9,5 @@ from tandem.prefill.role import PrefillRole
 
 def main(argv: list[str]) -> int:
     args = parser(Role.PREFILL).parse_args(argv)
-    return serve(args, PrefillRole(args.kv_transport, args.kv_lease_seconds))
+    role = PrefillRole(args.kv_transport, args.kv_lease_seconds, args.kv_transfer_timeout)
+    return serve(args, role)

@@ -49,6 +49,12 @@ def parser(role: Role) -> argparse.ArgumentParser:
     p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
     p.add_argument("--kv-transport", choices=["ucx", "tcp"], default="ucx")
     p.add_argument("--kv-lease-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--kv-transfer-timeout", type=float, metavar="SECONDS",
+        default=float(os.environ.get("TANDEM_KV_TRANSFER_TIMEOUT") or 30.0),
+        help="longest phase of one KV pull before it fails and decode recomputes "
+        "(default $TANDEM_KV_TRANSFER_TIMEOUT, else 30)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument(

@@ -66,8 +66,8 @@ def integrity(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyWorker]:
-    w = FaultyWorker(tmp_path_factory.mktemp("faults"), "colocated", "once",
-                     "--max-waiting-requests", "1", "--engine-option", "max_num_seqs=2")  # fmt: skip
+    flags = ("--max-waiting-requests", "1", "--engine-option", "max_num_seqs=2")
+    w = FaultyWorker(tmp_path_factory.mktemp("faults"), "colocated", "once", *flags)
     try:
         w.wait_healthy()
         yield w
