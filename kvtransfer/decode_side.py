@@ -206,6 +206,17 @@ class DecodeSide:
             peer.loads.pop(load.params.remote_request_id, None)
             if peer.engine_id is not None and not peer.closed:
                 peer.send(p.Release(load.params.engine_id, load.params.remote_request_id, kind))
+            if (
+                failure is not None
+                and failure.reason == FailureReason.TRANSFER_ERROR
+                and not self._recv.cancel_safe
+                and not peer.closed
+            ):
+                # A failed UCX receive means the endpoint is gone (the transport dropped it):
+                # retire the link, so the next load handshakes and connects afresh instead of
+                # failing on a dead endpoint.
+                self._forget_peer(peer)
+                self._ctx.spawn(_retire(peer, failure))
         elif kind == p.ReleaseKind.ABORTED:
             # Aborted before the handshake finished: still free prefill's blocks now rather
             # than at lease expiry.
@@ -322,6 +333,15 @@ class DecodeSide:
     def _forget_peer(self, peer: PeerLink) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+
+
+async def _retire(peer: PeerLink, failure: LoadFailure) -> None:
+    """Close a link no new load uses, once the release just queued on it had time to go out."""
+    await asyncio.sleep(_RETIRE_GRACE_S)
+    await peer.close(failure)
+
+
+_RETIRE_GRACE_S = 0.5
 
 
 def _raise_for_reply(reply: p.Message) -> None:
