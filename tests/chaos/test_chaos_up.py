@@ -124,8 +124,10 @@ def test_stopped_decode_past_heartbeat_loses_no_stream(up: Cluster) -> None:
         finally:
             up.signal("decode-1", signal.SIGCONT)
 
+    migrations = up.router_metric("tandem_router_migrations_total")
     outcomes = fault_under_load(up, specs, stop_decode)
     assert [o.texts for o in outcomes] == [o.texts for o in reference]
+    assert up.router_metric("tandem_router_migrations_total") > migrations  # streams moved
     assert all(o.kind == "ok" and o.completion_tokens == 100 for o in outcomes), summary(outcomes)
     up.wait_registered(3, timeout=30)  # it heartbeats again and re-registers
     up.assert_clean(outcomes)
