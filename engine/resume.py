@@ -56,7 +56,8 @@ def fast_forward(req: Request, num_sampled: int, vocab_size: int) -> bool:
         return True
     draws = num_sampled * vocab_size
     if g.device.type != "cpu" or draws > MAX_FAST_FORWARD_DRAWS:
-        log.info(
+        # Debug, not info: on CUDA every seeded P->D request passes here (the prefill's token).
+        log.debug(
             "request %s: seeded sampling continues from a fresh generator (%d tokens on %s)",
             req.request_id, num_sampled, g.device.type,
         )  # fmt: skip
