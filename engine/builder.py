@@ -17,11 +17,13 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import CacheConfig, EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_layout import KVLayout, dtype_name
+from tandem.engine.kv_tier import KVTier
 from tandem.engine.model_path import resolve_model_path
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
 from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.tier_copier import TierCopier
 
 
 @dataclass(slots=True)
@@ -40,6 +42,8 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
+    # The host KV tier's copier (kv_offload_bytes > 0); the tier itself is ``kv.tier``.
+    copier: TierCopier | None = None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -87,11 +91,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         )
     layout = one.with_num_blocks(num_blocks)
     pool = BlockPool(num_blocks, enable_caching=cache.enable_prefix_caching)
-    kv = KVCacheManager(pool, bs, cache.enable_prefix_caching)
+    num_host = cache.kv_offload_bytes // one.block_bytes
+    if cache.kv_offload_bytes and num_host < 1:
+        raise ValueError(
+            f"kv_offload_bytes={cache.kv_offload_bytes} is less than one KV block "
+            f"({one.block_bytes} bytes); use 0 to turn the host tier off"
+        )
+    tier = KVTier(num_host, cache.enable_prefix_caching) if num_host else None
+    kv = KVCacheManager(pool, bs, cache.enable_prefix_caching, tier)
     sched_cfg = config.scheduler
     if sched_cfg.max_model_len != max_model_len:
         sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
     runner = ModelRunner(model, backend, layout, device)
+    copier = TierCopier(runner.kv_cache, num_host) if num_host else None
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
         _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
     return EngineParts(
@@ -107,6 +119,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv=kv,
         scheduler=Scheduler(sched_cfg, kv),
         runner=runner,
+        copier=copier,
     )
 
 
