@@ -74,11 +74,13 @@ def accounting(engine: Engine) -> Accounting:
 
 
 def check_engine_integrity(engine: Engine) -> None:
-    """Raise AssertionError naming the first inconsistency: the pool and block tables
-    (``KVCacheManager.check_integrity``), each queue's statuses, no request in two queues, and
-    every block table owned by a request the scheduler still holds."""
+    """Raise AssertionError naming the first inconsistency: the pools and block tables
+    (``KVCacheManager.check_integrity``, the host tier's with ``Engine.check_tier_integrity``),
+    each queue's statuses, no request in two queues, and every block table owned by a request
+    the scheduler still holds."""
     s = engine.scheduler
     engine.kv.check_integrity()
+    engine.check_tier_integrity()
     seen: dict[str, str] = {}
     queues: list[tuple[str, list[Request]]] = [
         ("running", s.running),
