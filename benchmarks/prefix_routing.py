@@ -40,7 +40,8 @@ machine drifts). Prints a table and JSON (``--json`` adds every request's TTFT, 
 tokens).
 
     python benchmarks/prefix_routing.py --launch            # random Llama, 2 colocated workers
-    python benchmarks/prefix_routing.py --router-url http://127.0.0.1:8000 --model-dir DIR
+    TANDEM_CLUSTER_TOKEN=... python benchmarks/prefix_routing.py --router-url
+        http://127.0.0.1:8000 --internal-url http://127.0.0.1:8001 --model-dir DIR
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.engine.cluster_token import generate_token
 
 POLICIES = ("prefix-aware", "round-robin")
 TARGET_HIT_VS_ORACLE = 0.90
@@ -328,8 +331,14 @@ def total(samples: dict[tuple[str, tuple], float], name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
-def list_workers(router_url: str) -> list[dict[str, Any]]:
-    return httpx.get(f"{router_url}/internal/workers", timeout=10).json()["workers"]
+# The worker-facing listeners need the cluster token: --launch hands `tandem up` a fresh one;
+# against a deployment it comes from $TANDEM_CLUSTER_TOKEN.
+CLUSTER_AUTH: dict[str, str] = {}
+
+
+def list_workers(internal_url: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{internal_url}/internal/workers", headers=CLUSTER_AUTH, timeout=10)
+    return r.json()["workers"]
 
 
 def worker_cache_counters(workers: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
@@ -359,7 +368,10 @@ def warm_workers(workers: list[dict[str, Any]], tokens: int = 512) -> None:
             "kv_transfer_params": None,
             "remote_decode": False,
         }
-        with httpx.stream("POST", f"{w['url']}/v1/internal/generate", json=body, timeout=300) as r:
+        with httpx.stream(
+            "POST", f"{w['url']}/v1/internal/generate", json=body, headers=CLUSTER_AUTH,
+            timeout=300,
+        ) as r:  # fmt: skip
             r.raise_for_status()
             for _ in r.iter_lines():
                 pass
@@ -383,13 +395,22 @@ class RunRecord:
     per_worker: dict[str, dict[str, int]]
 
 
-def measure(router_url: str, cfg: WorkloadConfig, tokenizer: Any, api_key: str | None) -> RunRecord:
+def measure(
+    router_url: str,
+    internal_url: str,
+    cfg: WorkloadConfig,
+    tokenizer: Any,
+    api_key: str | None,
+) -> RunRecord:
     """Warm the workers, run the workload once through ``router_url`` and diff the counters."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     models = httpx.get(f"{router_url}/v1/models", headers=headers, timeout=10).json()
     model = models["data"][0]["id"]
-    workers = list_workers(router_url)
-    block_sizes = {httpx.get(f"{w['url']}/info", timeout=10).json()["block_size"] for w in workers}
+    workers = list_workers(internal_url)
+    block_sizes = {
+        httpx.get(f"{w['url']}/info", headers=CLUSTER_AUTH, timeout=10).json()["block_size"]
+        for w in workers
+    }
     if len(block_sizes) != 1:
         raise RuntimeError(f"workers disagree on block_size: {sorted(block_sizes)}")
     block_size = block_sizes.pop()
@@ -553,11 +574,12 @@ class UpProcess:
 
 def launch_up(args: argparse.Namespace, policy: str) -> UpProcess:
     argv = [sys.executable, "-m", "tandem.cli", "up", "--model", args.model_dir, "--port",
-            str(args.port), "--prefill", str(args.prefill), "--decode", str(args.decode),
+            str(args.port), "--internal-port", str(args.port + 1),
+            "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--policy", policy, "--kv-transport", args.kv_transport]  # fmt: skip
     for opt in args.engine_option:
         argv += ["--engine-option", opt]
-    env = dict(os.environ)
+    env = {**os.environ, "TANDEM_CLUSTER_TOKEN": CLUSTER_AUTH["Authorization"].split()[1]}
     if args.api_key:
         argv += ["--api-key", args.api_key]
     if args.threads:
@@ -614,6 +636,8 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--router-url", default=None, help="measure a running router (one policy)")
+    p.add_argument("--internal-url", default=None,
+                   help="with --router-url: its internal (registry) listener")  # fmt: skip
     p.add_argument("--launch", action="store_true", help="run `tandem up` once per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--model-dir", default=None,
@@ -663,6 +687,10 @@ def main() -> int:
         p.error("give --router-url or --launch")
     if args.router_url and not args.model_dir:
         p.error("--router-url needs --model-dir (the tokenizer for the oracle)")
+    if args.router_url and not (args.internal_url and os.environ.get("TANDEM_CLUSTER_TOKEN")):
+        p.error("--router-url needs --internal-url and $TANDEM_CLUSTER_TOKEN (the registry)")
+    token = os.environ.get("TANDEM_CLUSTER_TOKEN") or generate_token()
+    CLUSTER_AUTH["Authorization"] = f"Bearer {token}"
     if args.model_dir is None:
         out = Path(tempfile.mkdtemp(prefix="tandem-chat-llama-"))
         args.model_dir = str(write_chat_llama(out, args.hidden, args.layers))
@@ -682,7 +710,9 @@ def main() -> int:
                       file=sys.stderr, flush=True)  # fmt: skip
                 up = launch_up(args, policy)
                 try:
-                    run = measure(f"http://127.0.0.1:{args.port}", cfg, tokenizer, args.api_key)
+                    run = measure(f"http://127.0.0.1:{args.port}",
+                                  f"http://127.0.0.1:{args.port + 1}", cfg, tokenizer,
+                                  args.api_key)  # fmt: skip
                 finally:
                     up.stop()
                 runs[policy].append(run)
@@ -691,7 +721,13 @@ def main() -> int:
                       f"{one['ttft_p50_ms']} ms", file=sys.stderr, flush=True)  # fmt: skip
     else:
         runs["as-deployed"].append(
-            measure(args.router_url.rstrip("/"), cfg, tokenizer, args.api_key)
+            measure(
+                args.router_url.rstrip("/"),
+                args.internal_url.rstrip("/"),
+                cfg,
+                tokenizer,
+                args.api_key,
+            )  # fmt: skip
         )
     results = {policy: summarize(rs, cfg.turns) for policy, rs in runs.items()}
     report: dict[str, Any] = {

@@ -47,6 +47,9 @@ class DecodeRole:
             transfer_timeout=self.kv_transfer_timeout,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
+            side_channel_port=ctx.kv_side_channel_port,
+            data_port=ctx.kv_data_port,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)
 

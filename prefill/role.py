@@ -44,6 +44,9 @@ class PrefillRole:
             transfer_timeout=self.kv_transfer_timeout,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
+            side_channel_port=ctx.kv_side_channel_port,
+            data_port=ctx.kv_data_port,
         )
         return PrefillHooks(self.connector)
 

@@ -12,6 +12,7 @@ commands:
   prefill    a prefill worker
   decode     a decode worker
   colocated  a worker that prefills and decodes (no disaggregation)
+  drain      ask the worker on this host to drain (the pods' preStop hook)
   operator   the Kubernetes operator
 
 `tandem <command> --help` for its options."""
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.engine.worker.colocated import main as colocated_main
 
         return colocated_main(rest)
+    if cmd == "drain":
+        from tandem.engine.worker.drain import main as drain_main
+
+        return drain_main(rest)
     if cmd == "router":
         from tandem.router.cli import main as router_main
 

@@ -29,7 +29,8 @@ class ProcessSpec:
     role: str
     argv: tuple[str, ...]
     url: str
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # secrets: never printed
+    internal_url: str | None = None  # the router's registry listener (router only)
 
 
 class StartupFailed(Exception):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from procs import AUTH, CLUSTER_TOKEN
 
 from tandem.engine.demo import make_user_message
 
@@ -66,6 +67,8 @@ class Cluster:
     def __init__(self, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.internal_port = free_port()
+        self.internal_url = f"http://127.0.0.1:{self.internal_port}"  # registry: needs the token
         self.log_dir = log_dir
         self.lines: list[str] = []
         self.pids: dict[str, int] = {}  # child name -> current pid
@@ -73,9 +76,11 @@ class Cluster:
         self._out = (log_dir / "up.log").open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--port", str(self.port),
-             "--log-dir", str(log_dir), *args],
+             "--internal-port", str(self.internal_port), "--log-dir", str(log_dir), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(log_dir),
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN,
+                 **(env or {})},
+            start_new_session=True,
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -111,13 +116,14 @@ class Cluster:
 
     # -- state ----------------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:
-        return httpx.get(f"{self.url}/internal/workers", timeout=5).json()["workers"]
+        r = httpx.get(f"{self.internal_url}/internal/workers", headers=AUTH, timeout=5)
+        return r.json()["workers"]
 
     def worker_urls(self) -> list[str]:
         return [u for name, u in self.urls.items() if name != "router"]
 
     def integrity(self, url: str) -> dict[str, Any]:
-        return httpx.get(f"{url}/v1/internal/integrity", timeout=10).json()
+        return httpx.get(f"{url}/v1/internal/integrity", headers=AUTH, timeout=10).json()
 
     def router_metric(self, name: str, labels: str = "") -> float:
         total = 0.0

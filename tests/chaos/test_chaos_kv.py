@@ -13,6 +13,7 @@ import pytest
 import torch
 from chaos_lib import Cluster, Spec, check_answers, reference_answers, run_load, wait_for
 from fault_proxy import DROP, PASS, STALL, FaultProxy, ports_of
+from procs import AUTH
 
 from tandem.engine.demo import sample_inputs
 
@@ -56,7 +57,7 @@ def data_ports(c: Cluster) -> set[int]:
     pid = c.pids["prefill-0"]
     import httpx
 
-    full = httpx.get(f"{info['url']}/info", timeout=5).json()
+    full = httpx.get(f"{info['url']}/info", headers=AUTH, timeout=5).json()
     for key in ("kv_events_endpoint", "kv_side_channel"):
         known.add(int(full[key].rsplit(":", 1)[1]))
     return ports_of(pid) - known

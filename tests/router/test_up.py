@@ -24,18 +24,22 @@ def test_specs_disaggregated() -> None:
     cfg = UpConfig(model="/m", port=9000, prefill=1, decode=2, kv_transport="tcp",
                    local_prefill_threshold=64, prefill_overload_queue=6,
                    engine_options=("max_num_seqs=8",))  # fmt: skip
-    specs = build_specs(cfg, iter([7001, 7002, 7003]), python=PY)
+    specs = build_specs(cfg, iter([9001, 7001, 7002, 7003]), python=PY, token="t" * 32)
     base = (PY, "-m", "tandem.cli")
     assert [s.name for s in specs] == ["router", "prefill-0", "decode-0", "decode-1"]
     assert specs[0].argv == base + (
         "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
+        "--internal-port", "9001",
         "--policy", "prefix-aware", "--local-prefill-threshold", "64",
         "--prefill-overload-queue", "6",
     )  # fmt: skip
-    assert specs[0].env == ()
+    # The cluster token reaches every child through its environment only.
+    assert all(s.env == (("TANDEM_CLUSTER_TOKEN", "t" * 32),) for s in specs)
+    assert not any("t" * 32 in " ".join(s.argv) for s in specs)
+    assert specs[0].internal_url == "http://127.0.0.1:9001"
     assert specs[1].argv == base + (
         "prefill", "--model", "/m", "--host", "127.0.0.1", "--port", "7001",
-        "--router-url", "http://127.0.0.1:9000", "--kv-transport", "tcp",
+        "--router-url", "http://127.0.0.1:9001", "--kv-transport", "tcp",
         "--engine-option", "max_num_seqs=8",
     )  # fmt: skip
     assert [s.url for s in specs[1:]] == [f"http://127.0.0.1:{p}" for p in (7001, 7002, 7003)]
@@ -43,11 +47,12 @@ def test_specs_disaggregated() -> None:
 
 
 def test_specs_colocated_and_api_key_in_env() -> None:
-    cfg = UpConfig(prefill=0, decode=2, api_key="k")
+    cfg = UpConfig(prefill=0, decode=2, api_key="k", internal_port=8001)
     specs = build_specs(cfg, iter([1, 2]), python=PY)
     assert [s.role for s in specs] == ["router", "colocated", "colocated"]
     assert specs[1].argv[3] == "colocated"
     assert specs[0].env == (("TANDEM_API_KEY", "k"),)
+    assert "k" not in repr(specs[0])
     assert "k" not in specs[0].argv
     assert "Authorization: Bearer k" in curl_line(cfg)
 
@@ -131,7 +136,7 @@ def test_up_worker_dying_at_startup_fails_with_log_tail(
 def test_specs_pass_admission_flags_to_the_router_only_when_given() -> None:
     cfg = parse_config(["--max-inflight-requests", "64", "--request-timeout", "30",
                         "--migration-limit", "0"])  # fmt: skip
-    router_argv = build_specs(cfg, iter([1, 2]), python=PY)[0].argv
+    router_argv = build_specs(cfg, iter([1, 2, 3]), python=PY)[0].argv
     assert router_argv[-6:] == (
         "--max-inflight-requests", "64", "--request-timeout", "30.0", "--migration-limit", "0",
     )  # fmt: skip
@@ -163,23 +168,30 @@ def test_up_restarts_a_worker_that_dies(tokenizer_dir: Path, tmp_path: Path) -> 
     try:
         wait_line("^READY")
         pid = int(wait_line(r"decode-0\s+pid (\d+)").group(1))
-        old = {w["engine_id"] for w in httpx.get(f"{url}/internal/workers").json()["workers"]}
         os.kill(pid, signal.SIGKILL)
         wait_line(r"decode-0 exited with code -9 after \d+ s; restarting in 1 s")
         new_pid = int(wait_line(r"restarted decode-0 \(restart 1\), pid (\d+)").group(1))
         assert new_pid != pid
 
-        def registered_again() -> bool:
-            workers = httpx.get(f"{url}/internal/workers").json()["workers"]
-            return len(workers) == 2 and any(w["engine_id"] not in old for w in workers)
+        def served() -> bool:
+            try:
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=30,
+                    json={"model": "test-model", "prompt": "abc", "max_tokens": 3},
+                )
+            except httpx.HTTPError:
+                return False  # fmt: skip
+            return r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
 
         deadline = time.monotonic() + 30
-        while not registered_again():
-            assert time.monotonic() < deadline, "the restarted worker never registered"
+        while not served():
+            assert time.monotonic() < deadline, "the restarted worker never served"
             time.sleep(0.1)
-        r = httpx.post(f"{url}/v1/completions", timeout=30,
-                       json={"model": "test-model", "prompt": "abc", "max_tokens": 3})  # fmt: skip
-        assert r.json()["choices"][0]["text"] == "cba"
+        # Two lives in its log, under two engine ids (it registered anew).
+        log = (tmp_path / "decode-0.log").read_text()
+        ids = re.findall(r"worker (\w+) serving at", log)
+        assert len(ids) == 2 and ids[0] != ids[1] and "--- tandem up: restart 1 ---" in log
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert not _alive(new_pid)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, wait_for, wait_healthy
+from procs import AUTH, CLUSTER_TOKEN, Proc, free_port, wait_for, wait_healthy
 
 HERE = Path(__file__).parent
 POISON = 7  # a prompt starting with this token id trips the planted fault
@@ -28,7 +28,8 @@ class FaultyWorker:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (tmp / f"{role}-{mode}-{self.port}.log").open("wb")
-        env = {**os.environ, "TANDEM_TEST_FAULT": f"{mode}:{POISON}", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TANDEM_TEST_FAULT": f"{mode}:{POISON}", "PYTHONUNBUFFERED": "1",
+               "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "faulty_worker.py"), role, "--model", "demo",
              "--port", str(self.port), "--kv-transport", "tcp", *extra],
@@ -61,7 +62,7 @@ def body(rid: str, prompt: list[int], params: dict, **kw: object) -> dict:
 
 
 def integrity(url: str) -> dict:
-    return httpx.get(f"{url}/v1/internal/integrity", timeout=5).json()
+    return httpx.get(f"{url}/v1/internal/integrity", headers=AUTH, timeout=5).json()
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyWorker
 
 
 def generate(url: str, b: dict) -> list[dict]:
-    r = httpx.post(f"{url}/v1/internal/generate", json=b, timeout=60)
+    r = httpx.post(f"{url}/v1/internal/generate", json=b, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     return [json.loads(line) for line in r.text.splitlines() if line]
 
@@ -100,13 +101,16 @@ def test_duplicate_ids_and_a_full_queue_are_refused(colocated) -> None:
     streams = []
     try:
         for rid in ("r1", "r2", "w1"):  # two run (max_num_seqs=2), one waits (the bound is 1)
-            s = httpx.stream("POST", f"{url}/v1/internal/generate",
+            s = httpx.stream("POST", f"{url}/v1/internal/generate", headers=AUTH,
                              json=body(rid, [256, 9, 9], LONG), timeout=60)  # fmt: skip
             streams.append(s)
             s.__enter__()
-        dup = httpx.post(f"{url}/v1/internal/generate", json=body("r1", [256, 5], LONG))
-        assert dup.status_code == 400 and "already in use" in dup.json()["error"]["message"]
-        full = httpx.post(f"{url}/v1/internal/generate", json=body("x", [256, 5], LONG))
+        gen = f"{url}/v1/internal/generate"
+        # A live stream's id is refused by the shell (409); an id whose request still holds
+        # blocks after its stream ended, by the engine (400: tests/prefill/...engine_abort.py).
+        dup = httpx.post(gen, json=body("r1", [256, 5], LONG), headers=AUTH)
+        assert dup.status_code == 409 and "already in use" in dup.json()["error"]["message"]
+        full = httpx.post(gen, json=body("x", [256, 5], LONG), headers=AUTH)
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "queue_full"
     finally:
@@ -117,26 +121,28 @@ def test_duplicate_ids_and_a_full_queue_are_refused(colocated) -> None:
 
 
 def test_a_dead_engine_ends_every_stream_leaves_the_router_and_exits(tmp_path: Path) -> None:
-    router_port = free_port()
-    router = Proc(["router", "--model", "demo", "--port", str(router_port),
-                   "--heartbeat-timeout", "60"], tmp_path, "router")  # fmt: skip
+    router_port, internal = free_port(), free_port()
+    router = Proc(["router", "--model", "demo", "--port", str(router_port), "--internal-port",
+                   str(internal), "--heartbeat-timeout", "60"], tmp_path, "router")  # fmt: skip
     router_url = f"http://127.0.0.1:{router_port}"
-    w = FaultyWorker(tmp_path, "colocated", "fatal", "--router-url", router_url)
+    internal_url = f"http://127.0.0.1:{internal}"
+    w = FaultyWorker(tmp_path, "colocated", "fatal", "--router-url", internal_url)
     try:
         wait_healthy(router_url, router)
         w.wait_healthy()
 
         def listed() -> list:
-            return httpx.get(f"{router_url}/internal/workers", timeout=2).json()["workers"]
+            r = httpx.get(f"{internal_url}/internal/workers", headers=AUTH, timeout=2)
+            return r.json()["workers"]
 
         wait_for(lambda: len(listed()) == 1, 30, "registration")
-        with httpx.stream("POST", f"{w.url}/v1/internal/generate",
+        with httpx.stream("POST", f"{w.url}/v1/internal/generate", headers=AUTH,
                           json=body("a", [256, 3, 4], LONG), timeout=60) as a:  # fmt: skip
             lines = a.iter_lines()
             next(lines)
             started = time.monotonic()
             httpx.post(f"{w.url}/v1/internal/generate", json=body("b", [POISON, 1], LONG),
-                       timeout=30)  # fmt: skip
+                       headers=AUTH, timeout=30)  # fmt: skip
             last = json.loads([x for x in lines if x][-1])
             assert time.monotonic() - started < 10
         assert last["finish_reason"] == "error" and "engine thread died" in last["error"]["message"]

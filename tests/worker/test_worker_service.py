@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, wait_healthy
+from procs import AUTH, Proc, free_port, wait_healthy
 
 from tandem import LLM, SamplingParams
 from tandem.engine.output_processor import SequenceOutput
@@ -52,7 +52,9 @@ def workers(llama_gqa_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def generate(url: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/internal/generate", json=body, headers=AUTH, timeout=60
+    ) as r:
         assert r.status_code == 200, r.read()
         return [json.loads(line) for line in r.iter_lines() if line]
 
@@ -63,7 +65,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_info_and_health(workers: dict) -> None:
-    info = httpx.get(f"{workers['prefill']}/info").json()
+    info = httpx.get(f"{workers['prefill']}/info", headers=AUTH).json()
     assert info["role"] == "prefill" and info["block_size"] == 16
     assert info["hash_algorithm"] == "blake2b-128-v1"
     assert info["kv_side_channel"].startswith("tcp://")
@@ -122,13 +124,15 @@ def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path
     ],
 )
 def test_bad_requests_get_400_naming_the_field(workers: dict, body: dict, param: str) -> None:
-    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", json=body)
+    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", json=body, headers=AUTH)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
 
 
 def test_garbage_body_is_400_and_worker_keeps_serving(workers: dict) -> None:
-    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", content=b"\x00\xffnot json")
+    r = httpx.post(
+        f"{workers['colocated']}/v1/internal/generate", content=b"\x00\xffnot json", headers=AUTH
+    )
     assert r.status_code == 400
     chunks = generate(
         workers["colocated"],
@@ -170,7 +174,9 @@ def test_client_disconnect_aborts_and_frees_blocks(workers: dict) -> None:
         "prompt_token_ids": prompt(3, 40),
         "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
     }
-    with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/internal/generate", json=body, headers=AUTH, timeout=60
+    ) as r:
         lines = r.iter_lines()
         next(lines)
         next(lines)
