@@ -34,7 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "chaos"))
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(_TESTS / "chaos"), str(_TESTS)]  # chaos_lib, and procs (the cluster token)
 
 from chaos_lib import (  # noqa: E402 - the harness lives with the chaos suite
     Cluster,

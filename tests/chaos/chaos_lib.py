@@ -119,6 +119,12 @@ class Cluster:
         r = httpx.get(f"{self.internal_url}/internal/workers", headers=AUTH, timeout=5)
         return r.json()["workers"]
 
+    def busiest(self, role: str) -> str:
+        """The child name of the ``role`` worker with the most sub-requests in flight now."""
+        names = {url: name for name, url in self.urls.items()}
+        ws = [w for w in self.workers() if w["role"] == role and w["url"] in names]
+        return names[max(ws, key=lambda w: w["inflight"])["url"]]
+
     def worker_urls(self) -> list[str]:
         return [u for name, u in self.urls.items() if name != "router"]
 

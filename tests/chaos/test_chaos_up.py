@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,12 +100,15 @@ def long_specs(n: int, seed: int, max_tokens: int = 100) -> list[Spec]:
 
 
 def fault_under_load(up: Cluster, specs: list[Spec], fault) -> list[Outcome]:  # noqa: ANN001
-    """Run ``specs`` and call ``fault()`` once most streams have output."""
+    """Run ``specs`` and call ``fault()`` as soon as streams have output (mid-stream)."""
     outcomes: list[Outcome] = []
+    tokens = up.router_metric("tandem_router_generation_tokens_total")
     t = threading.Thread(target=lambda: outcomes.extend(run_load(up.url, specs, INFLIGHT)))
     t.start()
-    wait_for(lambda: up.router_metric("tandem_router_generation_tokens_total") > 0, 60, "output")
-    time.sleep(0.3)
+    wait_for(
+        lambda: up.router_metric("tandem_router_generation_tokens_total") > tokens,
+        60, "output", interval=0.02,
+    )  # fmt: skip
     fault()
     t.join(120)
     assert not t.is_alive()
@@ -114,36 +116,45 @@ def fault_under_load(up: Cluster, specs: list[Spec], fault) -> list[Outcome]:  #
 
 
 def test_stopped_decode_past_heartbeat_loses_no_stream(up: Cluster) -> None:
-    specs = long_specs(INFLIGHT, seed=21)
+    specs = long_specs(INFLIGHT, seed=21, max_tokens=200)
     reference = run_load(up.url, specs, INFLIGHT)
 
     def stop_decode() -> None:
-        up.signal("decode-1", signal.SIGSTOP)
+        victim = up.busiest("decode")  # streams are on it now
+        up.signal(victim, signal.SIGSTOP)
         try:
             wait_for(lambda: len(up.workers()) == 2, 15, "the stopped worker expired")
         finally:
-            up.signal("decode-1", signal.SIGCONT)
+            up.signal(victim, signal.SIGCONT)
 
     migrations = up.router_metric("tandem_router_migrations_total")
     outcomes = fault_under_load(up, specs, stop_decode)
     assert [o.texts for o in outcomes] == [o.texts for o in reference]
     assert up.router_metric("tandem_router_migrations_total") > migrations  # streams moved
-    assert all(o.kind == "ok" and o.completion_tokens == 100 for o in outcomes), summary(outcomes)
+    assert all(o.kind == "ok" and o.completion_tokens == 200 for o in outcomes), summary(outcomes)
     up.wait_registered(3, timeout=30)  # it heartbeats again and re-registers
     up.assert_clean(outcomes)
 
 
-@pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
-def test_killed_worker_loses_no_stream_and_restarts(up: Cluster, victim: str) -> None:
-    specs = long_specs(2 * INFLIGHT, seed=31 if victim == "decode-0" else 41)
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_killed_worker_loses_no_stream_and_restarts(up: Cluster, role: str) -> None:
+    specs = long_specs(2 * INFLIGHT, seed=31 if role == "decode" else 41)
     reference = run_load(up.url, specs, INFLIGHT)
-    before = up.restarts(victim)
+    killed: list[str] = []
     migrations = up.router_metric("tandem_router_migrations_total")
-    outcomes = fault_under_load(up, specs, lambda: up.signal(victim, signal.SIGKILL))
+    restarts = {name: up.restarts(name) for name in up.pids}
+
+    def kill() -> None:
+        killed.append(up.busiest(role))  # mid-stream: it has sub-requests in flight
+        up.signal(killed[0], signal.SIGKILL)
+
+    outcomes = fault_under_load(up, specs, kill)
+    victim = killed[0]
+    before = restarts[victim]
     # Every stream finishes with the full requested length and the uninterrupted greedy text.
     assert all(o.kind == "ok" and o.completion_tokens == 100 for o in outcomes), summary(outcomes)
     assert [o.texts for o in outcomes] == [o.texts for o in reference]
-    if victim.startswith("decode"):
+    if role == "decode":
         assert up.router_metric("tandem_router_migrations_total") > migrations
     wait_for(lambda: up.restarts(victim) == before + 1, 30, f"{victim} restarted")
     up.wait_registered(3)
