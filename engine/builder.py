@@ -14,7 +14,7 @@ import torch
 
 from tandem.engine.attention import get_backend
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_layout import KVLayout, dtype_name
 from tandem.engine.kv_tier import KVTier
@@ -24,6 +24,7 @@ from tandem.engine.models.llama import ModelArchConfig
 from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.tier_copier import TierCopier
+from tandem.kernels import cpu_ops
 
 
 @dataclass(slots=True)
@@ -73,8 +74,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = torch.device(config.device)
     dtype = parse_dtype(config.dtype)
     backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
-    backend = get_backend(backend_name)
-    model = load_model(model_path, dtype, config.device, use_kernels=device.type == "cuda")
+    backend = get_backend(backend_name, cpu_kernels=config.cpu_kernels)
+    on_cuda = device.type == "cuda"
+    model = load_model(
+        model_path, dtype, config.device, use_kernels=on_cuda, cpu_kernels=config.cpu_kernels
+    )
     arch = model.cfg
     tokenizer = load_tokenizer(model_path)
     max_model_len = min(
@@ -102,10 +106,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     sched_cfg = config.scheduler
     if sched_cfg.max_model_len != max_model_len:
         sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    check_unchunked_budget(sched_cfg)
     runner = ModelRunner(model, backend, layout, device)
     copier = TierCopier(runner.kv_cache, num_host) if num_host else None
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
         _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
+    fused_ok = backend_name == "torch" and config.cpu_kernels and not config.enforce_eager
+    if device.type == "cpu" and fused_ok and cpu_ops.available():
+        from tandem.engine.cpu_forward import CpuForward
+
+        runner.cpu_forward = CpuForward.build(
+            model, runner.kv_cache, sched_cfg.max_num_batched_tokens
+        )
     return EngineParts(
         config=config,
         model_path=model_path,
@@ -121,6 +133,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         runner=runner,
         copier=copier,
     )
+
+
+def check_unchunked_budget(cfg: SchedulerConfig) -> None:
+    """Without chunked prefill a prompt runs in one step, so a prompt longer than the step's token
+    budget could never be admitted and would wait forever: refuse the configuration (as vLLM
+    does) rather than accept requests that never finish."""
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+        raise ValueError(
+            f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
+            f"{cfg.max_num_batched_tokens} < {cfg.max_model_len}: a longer prompt could never be "
+            "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
 
 
 def _kv_budget(cache: CacheConfig, device: torch.device) -> int:

@@ -59,4 +59,8 @@ class EngineConfig:
     served_model_name: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    enforce_eager: bool = False  # disable CUDA graphs
+    # Disable CUDA graphs on GPU and the fused one-call forward on CPU (engine/cpu_forward.py).
+    enforce_eager: bool = False
+    # The CPU kernels (tandem.kernels.cpu_ops, built at first use) for float32 on CPU; False, or
+    # a machine where they cannot be built, keeps the PyTorch path.
+    cpu_kernels: bool = True

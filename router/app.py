@@ -116,6 +116,9 @@ def create_app(
             "object": "model",
             "created": 0,
             "owned_by": "tandem",
+            # The tokenizer directory, as vLLM's card names its model path: `tandem bench` (and
+            # any benchmark client) loads the same tokenizer from it.
+            "root": config.model_path or config.model,
             "max_model_len": s.registry.max_model_len(),
         }
         return JSONResponse({"object": "list", "data": [card]})

@@ -14,6 +14,7 @@ commands:
   colocated  a worker that prefills and decodes (no disaggregation)
   drain      ask the worker on this host to drain (the pods' preStop hook)
   operator   the Kubernetes operator
+  bench      guidellm against a running endpoint (model and tokenizer filled in)
 
 `tandem <command> --help` for its options."""
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.up import main as up_main
 
         return up_main(rest)
+    if cmd == "bench":
+        from tandem.bench import main as bench_main
+
+        return bench_main(rest)
     if cmd == "operator":
         from tandem.operator.cli import main as operator_main
 

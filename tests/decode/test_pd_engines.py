@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import write_random_checkpoint
 
 from tandem import LLM, SamplingParams
 from tandem.decode.hooks import DecodeHooks
@@ -229,6 +230,27 @@ def test_two_prefill_two_decode_crossing_traffic(llama_gqa_path: Path) -> None:
     finally:
         for e in ps + ds:
             e.hooks.connector.close()
+
+
+def test_sliding_window_model_disaggregated_equals_colocated(tmp_path: Path) -> None:
+    """Mistral with a 16-token window: the prompt's blocks outside the window still move (they
+    stay allocated and cached), and decode on the pulled KV gives the colocated tokens, with a
+    prefix hit on the second prompt."""
+    path = write_random_checkpoint(tmp_path, "mistral", sliding_window=16)
+    p, d = make_engine(path, "prefill", "tcp"), make_engine(path, "decode", "tcp")
+    try:
+        rng = random.Random(9)
+        shared = [rng.randrange(300) for _ in range(48)]
+        prompts = {"w0": shared + [5, 6], "w1": shared + [rng.randrange(300) for _ in range(22)]}
+        got = disagg(p, d, {"w0": prompts["w0"]})
+        got.update(disagg(p, d, {"w1": prompts["w1"]}))
+        assert got == colocated(path, prompts)
+        for e in (p, d):
+            e.check_integrity()
+            assert e.pool.num_free_blocks == NUM_BLOCKS
+    finally:
+        p.hooks.connector.close()
+        d.hooks.connector.close()
 
 
 @pytest.mark.parametrize("transport", ["ucx", "tcp"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from checkpoints import write_random_checkpoint
 from procs import AUTH, Proc, free_port, wait_healthy
 
 from tandem import LLM, SamplingParams
@@ -165,14 +166,31 @@ def _gauge(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_client_disconnect_aborts_and_frees_blocks(workers: dict) -> None:
+@pytest.fixture(scope="module")
+def long_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A colocated worker whose requests can outlast a client: 2k context and a model large enough
+    that 2000 tokens take seconds (the fixture model decodes 400 tokens in well under a second on
+    the CPU fast path, before the test can look)."""
+    tmp = tmp_path_factory.mktemp("long_worker")
+    path = write_random_checkpoint(
+        tmp / "model", "llama", hidden_size=512, intermediate_size=1024, num_layers=4,
+        num_heads=8, num_kv_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    proc, url = start("colocated", path, tmp, "--engine-option", "num_blocks=160")
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+def test_client_disconnect_aborts_and_frees_blocks(long_worker: str) -> None:
     from procs import wait_for
 
-    url = workers["colocated"]
+    url = long_worker
     body = {
         "request_id": "gone",
         "prompt_token_ids": prompt(3, 40),
-        "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
+        "sampling_params": {"temperature": 0.0, "max_tokens": 2000, "ignore_eos": True},
     }
     with httpx.stream(
         "POST", f"{url}/v1/internal/generate", json=body, headers=AUTH, timeout=60
