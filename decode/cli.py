@@ -20,5 +20,10 @@ def main(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     require(args.kv_transport, "tandem decode")
-    role = DecodeRole(args.kv_transport, args.kv_lease_seconds, args.kv_load_failure_policy)
+    role = DecodeRole(
+        args.kv_transport,
+        args.kv_lease_seconds,
+        args.kv_load_failure_policy,
+        args.kv_transfer_timeout,
+    )
     return serve(args, role)

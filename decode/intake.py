@@ -8,6 +8,7 @@ from typing import Any
 from tandem.engine.engine import Engine
 from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.request import Request
+from tandem.engine.resume import continue_sequence
 from tandem.engine.worker.protocol import BadRequest
 
 
@@ -31,5 +32,7 @@ def attach_remote_kv(engine: Engine, reqs: list[Request], wire: dict[str, Any]) 
         raise BadRequest("kv_transfer_params.first_token_id is out of range", "kv_transfer_params")
     if req.max_tokens <= 1:
         raise BadRequest("max_tokens is already reached by the prefill's token", "max_tokens")
-    req.append_output_token(params.first_token_id)
+    # Output 0, sampled by the prefill worker: the generator moves past its draw, so seeded
+    # sampling goes on as it would have on one worker.
+    continue_sequence(req, [params.first_token_id], engine.arch.vocab_size)
     req.kv_transfer_params = params

@@ -15,6 +15,7 @@ from tandem.engine.worker.protocol import GenerateRequest
 from tandem.engine.worker.role import RoleContext, refuse_role_fields
 from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
 from tandem.kvtransfer.connector import ZmqKVConnector
+from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
 
 
 class DecodeRole:
@@ -25,9 +26,11 @@ class DecodeRole:
         kv_transport: str = "ucx",
         kv_lease_seconds: float = 10.0,
         load_failure_policy: LoadFailurePolicy | str = LoadFailurePolicy.RECOMPUTE,
+        kv_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
     ) -> None:
         self.kv_transport = kv_transport
         self.kv_lease_seconds = kv_lease_seconds
+        self.kv_transfer_timeout = kv_transfer_timeout
         self.load_failure_policy = LoadFailurePolicy.parse(load_failure_policy)
         self.connector: ZmqKVConnector | None = None
 
@@ -41,6 +44,7 @@ class DecodeRole:
             host=ctx.host,
             advertise_host=ctx.advertise_host,
             lease_seconds=self.kv_lease_seconds,
+            transfer_timeout=self.kv_transfer_timeout,
             metrics=metrics,
             engine_id=ctx.engine_id,
             cluster_token=ctx.cluster_token,

@@ -6,6 +6,7 @@ Its outputs are token ids: text and stop strings are made where output leaves th
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -16,11 +17,23 @@ from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
 from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats
+from tandem.engine.recovery import (
+    Accounting,
+    EngineFailed,
+    accounting,
+    check_engine_integrity,
+    contain,
+)
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "EngineStats"]
+__all__ = ["Engine", "EngineFailed", "EngineOutput", "EngineStats"]
+
+log = logging.getLogger(__name__)
+
+# A failure that repeats step after step (whatever requests run) is the engine's, not theirs.
+MAX_CONSECUTIVE_FAILED_STEPS = 5
 
 
 class Engine:
@@ -50,6 +63,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._failed_steps = 0
 
     # ---- requests -----------------------------------------------------------------------------
     def make_requests(
@@ -68,9 +82,8 @@ class Engine:
             raise ValueError("params must be a SamplingParams")
         params.validate()
         token_ids = self.encode_prompt(prompt)
-        if request_id in self._requests or any(
-            f"{request_id}-{i}" in self._requests for i in range(params.n)
-        ):
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if any(self._holds(rid) for rid in {request_id, *ids}):
             raise ValueError(f"request_id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -140,17 +153,65 @@ class Engine:
         self._requests[req.request_id] = req
         self.scheduler.add_request(req)
 
+    def _holds(self, request_id: str) -> bool:
+        """A request of this id may still hold blocks here: tracked (running, waiting, loading
+        or handing off), still loading after an abort, or pinned for a decode worker."""
+        s = self.scheduler
+        if request_id in self._requests or request_id in s.loading or request_id in s.pinned:
+            return True
+        return any(r.group_id == request_id for r in self._requests.values())
+
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
-        """Abort by request id or group id (n > 1); frees blocks, pinned ones included."""
+        """Abort by request id or group id (n > 1). Blocks return to the pool once nothing may
+        read or write them: at once for running and waiting requests; a loading request's when
+        its pull ended; a pinned request's when the connector releases them (never while a
+        transfer reads them)."""
         wanted = set(request_ids)
-        found = {r.request_id: r for r in self._requests.values()
-                 if r.request_id in wanted or r.group_id in wanted}  # fmt: skip
-        pinned = self.scheduler.pinned
-        found.update({rid: pinned[rid] for rid in wanted & pinned.keys()})
-        for req in found.values():
+        found = [r for r in self._requests.values()
+                 if r.request_id in wanted or r.group_id in wanted]  # fmt: skip
+        pinned = [self.scheduler.pinned[rid] for rid in wanted & self.scheduler.pinned.keys()]
+        for req in [*found, *pinned]:
             self.hooks.on_abort(req)
-        done = self.scheduler.finish_requests(found, RequestStatus.FINISHED_ABORTED)
-        return [self._final(r) for r in done]
+        done = self.scheduler.finish_requests(
+            [r.request_id for r in found], RequestStatus.FINISHED_ABORTED
+        )
+        for req in pinned:
+            req.status = RequestStatus.FINISHED_ABORTED  # stays pinned until released
+        return [self._final(r) for r in [*done, *pinned]]
+
+    def fail(self, reqs: list[Request], message: str) -> list[EngineOutput]:
+        """End ``reqs`` with an error (failure containment, ``recovery.py``); returns the final
+        outputs still due. Pinned requests already handed off stay pinned until released."""
+        for req in reqs:
+            try:
+                self.hooks.on_abort(req)
+            except Exception:  # noqa: BLE001 - the reset must go on; the lease expires anyway
+                log.exception("role hook failed while failing %s", req.request_id)
+        pinned = self.scheduler.pinned
+        handed_off = [r for r in reqs if r.request_id in pinned and not self._tracked(r)]
+        ids = [r.request_id for r in reqs if r not in handed_off]
+        done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        for req in done:
+            req.status = RequestStatus.FINISHED_ERROR  # a pinned culprit too
+            req.error = message
+        for req in handed_off:
+            req.status = RequestStatus.FINISHED_ERROR
+        return [self._final(r) for r in done if self._tracked(r)]
+
+    def _tracked(self, req: Request) -> bool:
+        return self._requests.get(req.request_id) is req
+
+    def all_requests(self) -> list[Request]:
+        """Every request the engine holds in any state (failure containment resets them all)."""
+        s = self.scheduler
+        reqs = {id(r): r for r in self._requests.values()}
+        for r in [*s.running, *s.waiting, *s.loading.values(), *s.pinned.values()]:
+            reqs.setdefault(id(r), r)
+        return list(reqs.values())
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._requests)
 
     @property
     def has_unfinished(self) -> bool:
@@ -158,27 +219,44 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        sched = self.scheduler
-        outputs = self._finals(self.hooks.before_step(sched))
-        outputs += self._finals(self._finish_host_loads())
-        out = sched.schedule()
-        if self.copier is not None and self.kv.tier is not None:
-            # Before the connector or the forward pass may write blocks this step reused.
-            self.copier.submit(self.kv.tier.take_ops())
-            if out.loads:
-                self.copier.wait_offloads()
-        outputs += self._finals(self.hooks.on_scheduled(sched, out))
-        if out.is_empty:
-            return outputs
-        result = self.runner.execute(out)
-        for s in out.scheduled:
-            if s.request.num_computed_tokens < s.request.num_prompt_tokens:
-                self.num_prompt_tokens += min(
-                    s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens
-                )
-        changed = sched.update(out, result)
+        """One step. A phase that raises is contained (``recovery.contain``): the requests it is
+        attributed to end with an error and the engine keeps serving; EngineFailed when its
+        state cannot be restored."""
+        outputs: list[EngineOutput] = []
+        victims: list[Request] | None = None  # None: the failure is not attributable
+        try:
+            sched = self.scheduler
+            outputs += self._finals(self.hooks.before_step(sched))
+            outputs += self._finals(self._finish_host_loads())
+            out = sched.schedule()
+            if self.copier is not None and self.kv.tier is not None:
+                # Before the connector or the forward pass may write blocks this step reused.
+                self.copier.submit(self.kv.tier.take_ops())
+                if out.loads:
+                    self.copier.wait_offloads()
+            outputs += self._finals(self.hooks.on_scheduled(sched, out))
+            changed: list[Request] = []
+            if not out.is_empty:
+                victims = [s.request for s in out.scheduled]
+                result = self.runner.execute(out)
+                for s in out.scheduled:
+                    if s.request.num_computed_tokens < s.request.num_prompt_tokens:
+                        self.num_prompt_tokens += min(
+                            s.num_new_tokens,
+                            s.request.num_prompt_tokens - s.request.num_computed_tokens,
+                        )
+                changed = sched.update(out, result)
+        except Exception as exc:  # noqa: BLE001 - contained; EngineFailed escapes
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise EngineFailed(f"{self._failed_steps} steps in a row failed: {exc!r}") from exc
+            return outputs + contain(self, exc, victims)
+        self._failed_steps = 0
         for req in changed:
-            outputs.append(self._process(req, result.logprobs.get(req.request_id)))
+            try:
+                outputs.append(self._process(req, result.logprobs.get(req.request_id)))
+            except Exception as exc:  # noqa: BLE001 - attributable to this request alone
+                outputs += contain(self, exc, [req])
         return outputs
 
     def _finish_host_loads(self) -> list[Request]:
@@ -237,10 +315,12 @@ class Engine:
         )  # fmt: skip
 
     def check_integrity(self) -> None:
-        """Both pools' accounting; with a host tier also: the scheduler's loading requests are
-        exactly the connector's and the tier's loads, and every cached host block is tagged
-        with its hash in the copier."""
-        self.kv.check_integrity()
+        """AssertionError unless the pools, block tables and queues agree (``recovery.py``)."""
+        check_engine_integrity(self)
+
+    def check_tier_integrity(self) -> None:
+        """With a host tier: the scheduler's loading requests are exactly the connector's and
+        the tier's loads, and every cached host block is tagged with its hash in the copier."""
         tier = self.kv.tier
         if tier is None or self.copier is None:
             return
@@ -252,6 +332,9 @@ class Engine:
         for block in tier.host.blocks:
             if block.block_hash is not None and tags[block.block_id] != block.block_hash:
                 raise AssertionError(f"host block {block.block_id} is not tagged with its hash")
+
+    def accounting(self) -> Accounting:
+        return accounting(self)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.layout.block_size)

@@ -202,6 +202,15 @@ class KVCacheManager:
     def num_blocks_held(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, []))
 
+    def held_request_ids(self) -> set[str]:
+        """Ids of the requests holding a block table (for the engine's accounting checks)."""
+        return set(self._blocks)
+
+    def drop_table(self, request_id: str) -> None:
+        """Free the blocks of a table whose request the scheduler no longer holds (recovery
+        after a failed step, ``engine/recovery.py``)."""
+        self.pool.free_blocks(list(reversed(self._blocks.pop(request_id, []))))
+
     def check_integrity(self) -> None:
         """Pool accounting plus: every held reference belongs to a live request's table; the
         host tier's accounting likewise."""

@@ -17,6 +17,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request body (router --max-request-bytes)
 MAX_INTERNAL_REQUEST_BYTES = 16 * 1024 * 1024  # a worker's generate body: ids, not text
 MAX_CONTROL_BYTES = 64 * 1024  # every other worker-facing body (abort, heartbeat, ...)
+MAX_PRIORITY = 2**31 - 1  # |priority| (lower is served first): router body field, worker wire
 
 
 class LimitError(ValueError):

@@ -178,6 +178,9 @@ class Scheduler:
         if ok:
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            # The KV is local now: a later preemption recomputes it here, never pulls again
+            # from a prefill that has released it.
+            req.kv_transfer_params = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             return None

@@ -77,7 +77,9 @@ class DecodeSide:
         with self._ctx.lock:
             still_held = self._held.get(request_id) is params
         if still_held:
-            peer.held[params.remote_request_id] = Held(params, self._ctx.clock())
+            # Renewed on the next tick: the lease becomes this decode's at once (a retry after
+            # another decode failed must own it before that one's late release arrives).
+            peer.held[params.remote_request_id] = Held(params, float("-inf"))
 
     def start_load(
         self,
@@ -208,6 +210,17 @@ class DecodeSide:
             peer.loads.pop(load.params.remote_request_id, None)
             if peer.engine_id is not None and not peer.closed:
                 peer.send(_release(load.params, kind))
+            if (
+                failure is not None
+                and failure.reason == FailureReason.TRANSFER_ERROR
+                and not self._recv.cancel_safe
+                and not peer.closed
+            ):
+                # A failed UCX receive means the endpoint is gone (the transport dropped it):
+                # retire the link, so the next load handshakes and connects afresh instead of
+                # failing on a dead endpoint.
+                self._forget_peer(peer)
+                self._ctx.spawn(_retire(peer, failure))
         elif kind == p.ReleaseKind.ABORTED:
             # Aborted before the handshake finished: still free prefill's blocks now rather
             # than at lease expiry.
@@ -330,6 +343,15 @@ class DecodeSide:
     def _forget_peer(self, peer: PeerLink) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+
+
+async def _retire(peer: PeerLink, failure: LoadFailure) -> None:
+    """Close a link no new load uses, once the release just queued on it had time to go out."""
+    await asyncio.sleep(_RETIRE_GRACE_S)
+    await peer.close(failure)
+
+
+_RETIRE_GRACE_S = 0.5
 
 
 def _holder(params: KVTransferParams) -> str:

@@ -8,6 +8,11 @@ transfer that never ends is cut off ``stuck_grace`` seconds later.
 
 The connector owns one ``LeaseTable`` under its lock and feeds it events with the current time;
 every method returns the releases it caused, each exactly once per request.
+
+A lease has an owner: the decode peer that last renewed it or pulled from it. A release sent by
+another peer is ignored, so a decode that lost the request (it stalled past the router's
+heartbeat expiry and the router retried elsewhere) cannot free the blocks its successor is
+about to pull. Releases without a peer (prefill's own aborts, expiry) always apply.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class _Lease:
     releasing: bool = False
     reason: FailureReason | None = None
     hard_deadline: float = 0.0
+    owner: bytes | None = None  # the decode peer that last renewed or pulled
 
 
 class LeaseTable:
@@ -64,17 +70,20 @@ class LeaseTable:
             raise ValueError("lease_seconds must be positive")
         self._leases[request_id] = _Lease(lease_seconds, now + lease_seconds)
 
-    def renew(self, request_id: str, now: float) -> bool:
-        """Extend the lease by its length from now; False if unknown or already releasing."""
+    def renew(self, request_id: str, now: float, owner: bytes | None = None) -> bool:
+        """Extend the lease by its length from now (``owner``, when given, takes it over);
+        False if unknown or already releasing."""
         lease = self._leases.get(request_id)
         if lease is None or lease.releasing:
             return False
         lease.deadline = max(lease.deadline, now + lease.lease_seconds)
+        if owner is not None:
+            lease.owner = owner
         return True
 
-    def begin_transfer(self, request_id: str, now: float) -> bool:
+    def begin_transfer(self, request_id: str, now: float, owner: bytes | None = None) -> bool:
         """A pull starts reading the blocks; counts as a renewal. False if it may not start."""
-        if not self.renew(request_id, now):
+        if not self.renew(request_id, now, owner):
             return False
         self._leases[request_id].in_flight += 1
         return True
@@ -87,10 +96,19 @@ class LeaseTable:
         lease.deadline = max(lease.deadline, now + lease.lease_seconds)
         return self._maybe_release(request_id, lease)
 
-    def release(self, request_id: str, reason: FailureReason | None, now: float) -> list[Released]:
-        """Confirmation (reason None) or abort: release now, or once in-flight reads end."""
+    def release(
+        self,
+        request_id: str,
+        reason: FailureReason | None,
+        now: float,
+        owner: bytes | None = None,
+    ) -> list[Released]:
+        """Confirmation (reason None) or abort: release now, or once in-flight reads end. A
+        release from a peer (``owner``) other than the lease's owner is ignored."""
         lease = self._leases.get(request_id)
         if lease is None:
+            return []
+        if owner is not None and lease.owner is not None and owner != lease.owner:
             return []
         if not lease.releasing:
             lease.releasing = True

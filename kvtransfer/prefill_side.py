@@ -282,7 +282,7 @@ class PrefillSide:
                 )
             if problem is None:
                 assert pub is not None
-                self._leases.begin_transfer(msg.request_id, self._ctx.clock())
+                self._leases.begin_transfer(msg.request_id, self._ctx.clock(), ident)
                 pub.peer = ident
         if problem is not None:
             self._reject(ident, code, problem, msg.request_id, msg.xfer_id)
@@ -325,7 +325,7 @@ class PrefillSide:
                 elif rid in self._published and not self._holds(rid, proof):
                     refused += 1
                     gone.append(rid)
-                elif not self._leases.renew(rid, self._ctx.clock()):
+                elif not self._leases.renew(rid, self._ctx.clock(), ident):
                     gone.append(rid)
         for _ in range(refused):
             self._ctx.count_failure(FailureReason.UNAUTHORIZED)
@@ -345,7 +345,7 @@ class PrefillSide:
             if allowed:
                 self._apply_released(
                     self._leases.release(
-                        msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock()
+                        msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock(), ident
                     )
                 )
         if known and not allowed:

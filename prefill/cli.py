@@ -11,4 +11,5 @@ from tandem.transports import require
 def main(argv: list[str]) -> int:
     args = parser(Role.PREFILL).parse_args(argv)
     require(args.kv_transport, "tandem prefill")
-    return serve(args, PrefillRole(args.kv_transport, args.kv_lease_seconds))
+    role = PrefillRole(args.kv_transport, args.kv_lease_seconds, args.kv_transfer_timeout)
+    return serve(args, role)

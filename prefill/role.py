@@ -13,15 +13,22 @@ from tandem.engine.worker.protocol import GenerateRequest
 from tandem.engine.worker.role import RoleContext, refuse_role_fields
 from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
 from tandem.kvtransfer.connector import ZmqKVConnector
+from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
 from tandem.prefill.hooks import PrefillHooks, mark_remote_decode
 
 
 class PrefillRole:
     role = Role.PREFILL
 
-    def __init__(self, kv_transport: str = "ucx", kv_lease_seconds: float = 10.0) -> None:
+    def __init__(
+        self,
+        kv_transport: str = "ucx",
+        kv_lease_seconds: float = 10.0,
+        kv_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+    ) -> None:
         self.kv_transport = kv_transport
         self.kv_lease_seconds = kv_lease_seconds
+        self.kv_transfer_timeout = kv_transfer_timeout
         self.connector: ZmqKVConnector | None = None
 
     def attach(self, parts: EngineParts, ctx: RoleContext) -> RoleHooks:
@@ -34,6 +41,7 @@ class PrefillRole:
             host=ctx.host,
             advertise_host=ctx.advertise_host,
             lease_seconds=self.kv_lease_seconds,
+            transfer_timeout=self.kv_transfer_timeout,
             metrics=metrics,
             engine_id=ctx.engine_id,
             cluster_token=ctx.cluster_token,

@@ -77,6 +77,7 @@ def create_app(
                 expiry.cancel()
                 await asyncio.gather(expiry, return_exceptions=True)
                 await state.subscriber.close()
+                await state.gate.close()
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.metrics = metrics

@@ -61,8 +61,48 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key", default=None, help="required bearer key (or TANDEM_API_KEY)")
     keys.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+    add_admission_args(p)
     p.add_argument("--log-level", default="info")
     return p
+
+
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    """Admission, deadline and migration flags (DESIGN.md §11), shared with ``tandem up``."""
+    p.add_argument(
+        "--max-inflight-requests", type=int, default=None, metavar="N",
+        help="worker sub-requests dispatched at once (a request with n choices counts n; "
+        "default: 2 x the decode workers' max_num_seqs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queued-requests", type=int, default=1024, metavar="M",
+        help="requests waiting in the router for a slot; beyond it 429 (default 1024)",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="longest wait in the router's queue before a 429 (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="SECONDS",
+        help="deadline of a whole request, queue included (0: none; default 600)",
+    )  # fmt: skip
+    p.add_argument(
+        "--migration-limit", type=int, default=1, metavar="K",
+        help="times a stream with output may move to another worker when its own fails "
+        "(0: never; default 1)",
+    )  # fmt: skip
+
+
+def admission_errors(args: argparse.Namespace) -> str | None:
+    """The first invalid admission flag, as a message; None when all are valid."""
+    if args.max_inflight_requests is not None and args.max_inflight_requests < 1:
+        return "--max-inflight-requests must be >= 1"
+    if args.max_queued_requests < 0:
+        return "--max-queued-requests must be >= 0"
+    if args.queue_timeout < 0 or args.request_timeout < 0:
+        return "--queue-timeout and --request-timeout must be >= 0"
+    if args.migration_limit < 0:
+        return "--migration-limit must be >= 0"
+    return None
 
 
 def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
@@ -86,6 +126,10 @@ def main(argv: list[str]) -> int:
         return 2
     if args.prefill_overload_queue < 0:
         print("--prefill-overload-queue must be >= 0", file=sys.stderr)
+        return 2
+    problem = admission_errors(args)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     if args.max_request_bytes < 1024:
         print("--max-request-bytes must be at least 1024", file=sys.stderr)
@@ -125,6 +169,11 @@ def main(argv: list[str]) -> int:
         prefill_overload_queue=args.prefill_overload_queue,
         api_keys=keys,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        max_inflight_requests=args.max_inflight_requests,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout,
+        request_timeout_s=args.request_timeout,
+        migration_limit=args.migration_limit,
         max_body_bytes=args.max_request_bytes,
         cluster_token=token,
     )

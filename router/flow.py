@@ -1,7 +1,7 @@
 """The P->D flow of DESIGN.md §5 for one OpenAI request, streamed as TokenEvents.
 
-Called by the app's handlers after validation and tokenization (once per request). Each choice
-(prompt x n) runs as its own task:
+Called by the app's handlers after validation, tokenization and admission (once per request).
+Each choice (prompt x n) runs as its own task:
 
 1. choose D among decode and colocated workers (prefix overlap against load);
 2. decide local or remote prefill (``decide_prefill``: colocated D, no prefill worker, or an
@@ -10,15 +10,27 @@ Called by the app's handlers after validation and tokenization (once per request
    error, timeout or 5xx retry one other P, then fall back to local prefill on D; a 4xx goes back
    to the client. Then stream D with P's ``kv_transfer_params``.
 
-Workers stream token ids; each choice keeps one text state (``engine.output_processor``:
-detokenizer and stop strings) across its prefill and decode streams and turns their chunks into
-the client's text. A stop string ends the choice at the token that completed it and aborts the
-worker's sub-request (held-back text is never sent before a stop string is ruled out).
+Workers stream token ids; each choice keeps one ``ChoiceOutput`` (text state, tokens delivered)
+across all its worker streams (``choice_output.py``).
 
-``stream_choices`` merges the choices' events. Closing it (client disconnect) cancels the tasks,
-and each sends ``abort`` to every worker still running its sub-request. n > 1 fans out n
-sub-requests of n=1, choice i seeded with seed + i, each placed on its own (prefix caching makes
-the later prefills cheap).
+Decode failures (connection lost, 5xx, an error chunk, the worker leaving the registry):
+
+- nothing delivered yet (local prefill): retry another D, ``decode_retries`` times;
+- after prefill's token but before decode's first: retry another decode worker with the same
+  ``kv_transfer_params`` (prefill keeps the blocks under its lease, which the new decode renews;
+  if they are gone meanwhile, that decode recomputes the prompt);
+- after decode's tokens: **migrate**: re-submit the prompt with the tokens delivered so far as
+  ``resume_token_ids`` to another decode or colocated worker, which re-prefills them and
+  continues; the client sees one stream with nothing repeated or missing.
+
+Moving a stream that has output counts against ``migration_limit`` (0: never) and is counted in
+``tandem_router_migrations_total{reason}`` (``kv_retry`` or ``resume``). A choice that fails
+for good after a hand-off aborts its prefill sub-request, so the pinned blocks go at once.
+
+``stream_choices`` merges the choices' events. Closing it (client disconnect, deadline) cancels
+the tasks, and each sends ``abort`` to every worker still running its sub-request. n > 1 fans out
+n sub-requests of n=1, choice i seeded with seed + i, each placed on its own (prefix caching
+makes the later prefills cheap).
 """
 
 from __future__ import annotations
@@ -30,25 +42,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.hashing import HASH_ALGORITHM, BlockHash, hash_block_tokens
-from tandem.engine.output_processor import SequenceOutput, TextOptions
+from tandem.engine.output_processor import TextOptions
 from tandem.engine.role import Role
+from tandem.router.choice_output import ChoiceOutput, TokenEvent, text_options
 from tandem.router.errors import OpenAIError, no_workers
 from tandem.router.metrics import RouterMetrics
-from tandem.router.placement import (
-    Candidate,
-    Choice,
-    Placer,
-    PrefillMode,
-    decide_prefill,
-)
+from tandem.router.placement import Candidate, Choice, Placer, PrefillMode, decide_prefill
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.registry import WorkerRegistry, WorkerState
 from tandem.router.tokenizer import PromptEncoder
-from tandem.router.worker_client import (
-    WorkerClient,
-    WorkerRejected,
-    WorkerUnavailable,
-)
+from tandem.router.worker_client import WorkerClient, WorkerRejected, WorkerUnavailable
+from tandem.router.worker_stream import client_error, generate_body, worker_stream
+
+__all__ = ["ChoiceFailed", "ChoiceJob", "FlowConfig", "FlowContext", "TokenEvent",
+           "stream_choices", "text_options"]  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,25 +64,9 @@ class FlowConfig:
     prefill_overload_queue: int = 0  # 0: never treat the prefill pool as overloaded
     prefill_retries: int = 1  # other P workers tried after the first failure
     decode_retries: int = 1  # other D workers tried when D fails before any output
+    migration_limit: int = 1  # moves of a stream that has output to another worker (0: never)
     poll_s: float = 0.25  # how often a silent stream re-checks that its worker is registered
     read_timeout_s: float = 300.0
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """Output of one choice: a text delta and its tokens, or its end."""
-
-    choice: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # True for a prefill worker's first token when decode follows: the TTFT metric waits for the
-    # first decode token, so it covers prefill, KV transfer and the first decode step, and ITL
-    # measures decode alone.
-    handoff: bool = False
-    logprobs: list[Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -85,23 +76,13 @@ class ChoiceJob:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams wire form, as the workers get it
     text: TextOptions = field(default_factory=TextOptions)  # applied here, to the token stream
+    priority: int = 0  # lower is served first (the workers' queues too)
     hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # per block size
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         if block_size not in self.hashes:
             self.hashes[block_size] = hash_block_tokens(self.prompt_token_ids, block_size)
         return self.hashes[block_size]
-
-
-def text_options(sampling: dict[str, Any]) -> TextOptions:
-    """What the router applies to a choice's token stream (stop strings, detokenization), from
-    its SamplingParams wire dict. The workers get the whole dict and ignore these fields, as
-    vLLM's engine core does."""
-    return TextOptions(
-        tuple(sampling.get("stop") or ()),
-        bool(sampling.get("include_stop_str_in_output", False)),
-        bool(sampling.get("skip_special_tokens", True)),
-    )
 
 
 class ChoiceFailed(Exception):
@@ -203,107 +184,132 @@ async def stream_choices(ctx: FlowContext, jobs: list[ChoiceJob]) -> AsyncIterat
         await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
-class _Choice:
-    """One choice's delivered output: its text state (``SequenceOutput``: detokenizer, stop
-    strings, tokens received) and the events handed to the client. It lives across the prefill
-    -> decode hand-off and across retries, so text continues exactly where it stopped."""
+@dataclass(slots=True)
+class _Handoff:
+    """A prefill's hand-off: where decode pulls from, and the prefill sub-request to abort if
+    no decode ever takes it."""
 
-    def __init__(self, ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEvent], None]):
-        self.job = job
-        self.out: SequenceOutput[Any] = SequenceOutput.create(
-            ctx.encoder.tokenizer, job.prompt_token_ids, job.text
-        )
-        self._emit = emit
-        self._vocab = ctx.encoder.vocab_size()
+    params: dict[str, Any]
+    prefill_url: str
+    prefill_request_id: str
+    fingerprint: str | None  # the prefill's: only a decode of the same one can use the KV
 
-    @property
-    def emitted(self) -> bool:
-        return self.out.num_tokens > 0
 
-    def deliver(self, chunk: dict[str, Any], handoff: bool = False) -> bool:
-        """Process one worker chunk and emit what the client gets; True once the choice ended
-        (the caller then stops reading the worker, which aborts it if it still runs)."""
-        token_ids, logprobs, reason = _chunk_fields(chunk, self._vocab)
-        delta = self.out.process(token_ids, logprobs or (), reason, chunk.get("stop_reason"))
-        cached = chunk.get("num_cached_tokens")
-        ev = TokenEvent(
-            choice=self.job.index,
-            text=delta.text,
-            token_ids=delta.token_ids,
-            handoff=handoff and not self.out.finished,
-            logprobs=delta.logprobs if logprobs is not None else None,
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-            num_cached_tokens=cached if isinstance(cached, int) else None,
-        )
-        if ev.token_ids or ev.text or ev.finish_reason is not None:
-            self._emit(ev)
-        return self.out.finished
+_FINISHED = object()
 
 
 async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEvent], None]) -> None:
-    choice = _Choice(ctx, job, emit)
-    tried_d: set[str] = set()
-    for _ in range(1 + ctx.config.decode_retries):
-        picked = ctx.pick("decode", (Role.DECODE, Role.COLOCATED), job, tried_d)
-        if picked is None:
-            break
-        d, d_choice = picked
-        tried_d.add(d.info.engine_id)
-        ctx.record(d.info.role.label, d_choice.reason)
-        registered = ctx.registry.by_role(Role.PREFILL)
-        # Only prefill workers whose KV this decode can use (same model, checkpoint, dtype,
-        # version: the fingerprint); with none left, decode prefills locally.
-        prefill_pool = [w for w in registered if w.info.fingerprint == d.info.fingerprint]
-        decision = decide_prefill(
-            prompt_tokens=len(job.prompt_token_ids),
-            decode_cached_tokens=d_choice.overlap_blocks * d.info.block_size,
-            threshold_tokens=ctx.config.local_prefill_threshold,
-            decode_is_colocated=d.info.role is Role.COLOCATED,
-            prefill_available=bool(prefill_pool),
-            prefill_incompatible=bool(registered) and not prefill_pool,
-            prefill_min_queue=min((w.waiting + w.inflight for w in prefill_pool), default=0),
-            overload_queue=ctx.config.prefill_overload_queue,
-        )
-        kv_params: dict[str, Any] | None = None
-        if decision.mode is PrefillMode.REMOTE:
-            ctx.record("prefill", "remote")
-            incompatible = {w.info.engine_id for w in registered} - {
-                w.info.engine_id for w in prefill_pool
-            }
-            outcome = await _remote_prefill(ctx, choice, incompatible)
-            if outcome is _FINISHED:
+    choice = ChoiceOutput(ctx.encoder, job.index, job.prompt_token_ids, job.text, emit)
+    excluded: set[str] = set()  # decode-side workers that failed this choice
+    retries = migrations = 0
+    handoff: _Handoff | None = None  # valid until a decode delivers a token past it
+    last_error: Exception | None = None
+    attempt = 0
+    try:
+        while True:
+            roles = (Role.DECODE,) if handoff is not None else (Role.DECODE, Role.COLOCATED)
+            skip = excluded if handoff is None else excluded | _unfit(ctx, handoff.fingerprint)
+            picked = ctx.pick("decode", roles, job, skip)
+            if picked is None and handoff is not None:
+                handoff = _drop(ctx, handoff)  # no decode worker left: re-prefill elsewhere
+                continue
+            if picked is None:
+                if not excluded:
+                    raise no_workers("decode")
+                if choice.emitted:
+                    raise ChoiceFailed(f"decode worker failed mid-stream: {last_error}")
+                raise OpenAIError(
+                    503, "Every decode worker tried for this request failed.", code="no_workers"
+                )
+            d, d_choice = picked
+            ctx.record(d.info.role.label, d_choice.reason)
+            resume: list[int] = []
+            if choice.emitted and handoff is None:
+                resume = list(choice.token_ids)  # a migration: re-prefill what was delivered
+            elif not choice.emitted:
+                outcome = await _prefill_for(ctx, choice, job, d, d_choice)
+                if outcome is _FINISHED:
+                    return
+                handoff = outcome if isinstance(outcome, _Handoff) else None
+            if handoff is None:
+                ctx.expect_new_blocks(d, d_choice, job)
+            before = choice.num_tokens
+            try:
+                kv = handoff.params if handoff is not None else None
+                await _decode(ctx, d, choice, generate_body(job, f"d{attempt}", kv, False, resume))
                 return
-            if outcome is None:
-                ctx.record("prefill", "local_fallback")
-            else:
-                kv_params = outcome
-        else:
-            ctx.record("prefill", decision.reason)
-        if kv_params is None:
-            ctx.expect_new_blocks(d, d_choice, job)
-        try:
-            await _decode(ctx, d, choice, kv_params)
-            return
-        except WorkerUnavailable as exc:
-            if choice.emitted:
-                raise ChoiceFailed(f"decode worker failed mid-stream: {exc}") from exc
-    if not tried_d:
-        raise no_workers("decode")
-    raise OpenAIError(503, "Every decode worker tried for this request failed.", code="no_workers")
+            except WorkerUnavailable as exc:
+                excluded.add(d.info.engine_id)
+                last_error = exc
+                attempt += 1
+                if choice.num_tokens > before and handoff is not None:
+                    handoff = _drop(ctx, handoff)  # decode moved past the hand-off
+            if not choice.emitted:
+                retries += 1
+                if retries > ctx.config.decode_retries:
+                    raise OpenAIError(
+                        503, "Every decode worker tried for this request failed.",
+                        code="no_workers",
+                    )  # fmt: skip
+                continue
+            if migrations >= ctx.config.migration_limit:
+                raise ChoiceFailed(f"decode worker failed mid-stream: {last_error}")
+            migrations += 1
+            ctx.metrics.migration("kv_retry" if handoff is not None else "resume")
+    except (ChoiceFailed, OpenAIError):
+        if handoff is not None:  # no decode took the prefill's blocks: free them now
+            ctx.abort_soon(handoff.prefill_url, handoff.prefill_request_id)
+        raise
 
 
-_FINISHED: dict[str, Any] = {}
+def _unfit(ctx: FlowContext, fingerprint: str | None) -> set[str]:
+    """Decode workers that cannot use KV of ``fingerprint`` (another model, dtype or version)."""
+    return {w.info.engine_id for w in ctx.registry.by_role(Role.DECODE)
+            if w.info.fingerprint != fingerprint}  # fmt: skip
+
+
+def _drop(ctx: FlowContext, handoff: _Handoff) -> None:
+    """The hand-off will not be used: release the prefill's blocks now (best effort). Returns
+    None, the caller's new hand-off."""
+    ctx.abort_soon(handoff.prefill_url, handoff.prefill_request_id)
+
+
+async def _prefill_for(
+    ctx: FlowContext, choice: ChoiceOutput, job: ChoiceJob, d: WorkerState, d_choice: Choice
+) -> object:
+    """Decide where the prompt is prefilled for decode worker ``d``: a ``_Handoff`` from a
+    prefill worker, ``_FINISHED`` when the request ended at prefill's token, None for local."""
+    registered = ctx.registry.by_role(Role.PREFILL)
+    # Only prefill workers whose KV this decode can use (same model, checkpoint, dtype, version:
+    # the fingerprint); with none left, decode prefills locally.
+    prefill_pool = [w for w in registered if w.info.fingerprint == d.info.fingerprint]
+    decision = decide_prefill(
+        prompt_tokens=len(job.prompt_token_ids),
+        decode_cached_tokens=d_choice.overlap_blocks * d.info.block_size,
+        threshold_tokens=ctx.config.local_prefill_threshold,
+        decode_is_colocated=d.info.role is Role.COLOCATED,
+        prefill_available=bool(prefill_pool),
+        prefill_incompatible=bool(registered) and not prefill_pool,
+        prefill_min_queue=min((w.waiting + w.inflight for w in prefill_pool), default=0),
+        overload_queue=ctx.config.prefill_overload_queue,
+    )
+    if decision.mode is not PrefillMode.REMOTE:
+        ctx.record("prefill", decision.reason)
+        return None
+    ctx.record("prefill", "remote")
+    unfit = {w.info.engine_id for w in registered} - {w.info.engine_id for w in prefill_pool}
+    outcome = await _remote_prefill(ctx, choice, job, unfit)
+    if outcome is None:
+        ctx.record("prefill", "local_fallback")
+    return outcome
 
 
 async def _remote_prefill(
-    ctx: FlowContext, choice: _Choice, incompatible: set[str] | None = None
-) -> dict[str, Any] | None:
-    """Prefill on a P worker (never one in ``incompatible``); returns its kv_transfer_params,
-    ``_FINISHED`` when the request ended at the first token, or None when every attempt failed
-    (fall back to local prefill)."""
-    job = choice.job
-    tried: set[str] = set(incompatible or ())
+    ctx: FlowContext, choice: ChoiceOutput, job: ChoiceJob, unfit: set[str]
+) -> object:
+    """Prefill on a P worker (never one in ``unfit``); a ``_Handoff``, ``_FINISHED`` when the
+    request ended at the first token, or None when every attempt failed (local prefill)."""
+    tried: set[str] = set(unfit)
     for attempt in range(1 + ctx.config.prefill_retries):
         picked = ctx.pick("prefill", (Role.PREFILL,), job, tried)
         if picked is None:
@@ -312,127 +318,38 @@ async def _remote_prefill(
         tried.add(p.info.engine_id)
         ctx.record("prefill", p_choice.reason)
         ctx.expect_new_blocks(p, p_choice, job)
-        body = _generate_body(job, f"p{attempt}", None, remote_decode=True)
+        body = generate_body(job, f"p{attempt}", None, remote_decode=True)
         try:
-            async with contextlib.aclosing(_worker_stream(ctx, p, body)) as chunks:
+            async with contextlib.aclosing(worker_stream(ctx, p, body)) as chunks:
                 async for chunk in chunks:
                     reason = chunk.get("finish_reason")
-                    handoff = reason == "remote_decode"
+                    is_handoff = reason == "remote_decode"
                     params = chunk.get("kv_transfer_params")
-                    if handoff and not isinstance(params, dict):
+                    if is_handoff and not isinstance(params, dict):
                         raise WorkerUnavailable("prefill finished without kv_transfer_params")
-                    if choice.deliver(chunk, handoff=handoff):
-                        if handoff:  # a stop string ended it: free the blocks kept for decode
+                    if choice.deliver(chunk, handoff=is_handoff):
+                        if is_handoff:  # a stop string ended it: free the blocks kept for decode
                             ctx.abort_soon(p.info.url, body["request_id"])
                         return _FINISHED
-                    if handoff:
-                        return params
+                    if is_handoff:
+                        assert isinstance(params, dict)
+                        return _Handoff(params, p.info.url, body["request_id"], p.info.fingerprint)
         except WorkerUnavailable as exc:
             ctx.metrics.prefill_failures.inc()
             if choice.emitted:
                 raise ChoiceFailed(f"prefill worker failed after its first token: {exc}") from exc
         except WorkerRejected as exc:
-            raise _client_error(exc) from None
+            raise client_error(exc) from None
     return None
 
 
 async def _decode(
-    ctx: FlowContext, d: WorkerState, choice: _Choice, kv_params: dict[str, Any] | None
+    ctx: FlowContext, d: WorkerState, choice: ChoiceOutput, body: dict[str, Any]
 ) -> None:
-    body = _generate_body(choice.job, "d", kv_params, remote_decode=False)
     try:
-        async with contextlib.aclosing(_worker_stream(ctx, d, body)) as chunks:
+        async with contextlib.aclosing(worker_stream(ctx, d, body)) as chunks:
             async for chunk in chunks:
                 if choice.deliver(chunk):
                     return
     except WorkerRejected as exc:
-        raise _client_error(exc) from None
-
-
-def _generate_body(
-    job: ChoiceJob,
-    suffix: str,
-    kv_params: dict[str, Any] | None,
-    remote_decode: bool,
-) -> dict[str, Any]:
-    return {
-        "request_id": f"{job.request_id}-{job.index}-{suffix}",
-        "prompt_token_ids": job.prompt_token_ids,
-        "sampling_params": job.sampling,
-        "kv_transfer_params": kv_params,
-        "remote_decode": remote_decode,
-    }
-
-
-async def _worker_stream(
-    ctx: FlowContext, worker: WorkerState, body: dict[str, Any]
-) -> AsyncIterator[dict[str, Any]]:
-    """Chunks of one sub-request up to and including the one with a finish_reason.
-
-    Raises WorkerUnavailable when the worker fails, leaves the registry or stays silent past the
-    read timeout; aborts the sub-request on the worker unless it finished.
-    """
-    url, engine_id = worker.info.url, worker.info.engine_id
-    stream = ctx.client.generate(url, body)
-    worker.inflight += 1
-    finished = False
-    try:
-        silent = 0.0
-        while True:
-            try:
-                chunk = await stream.next_chunk(ctx.config.poll_s)
-            except TimeoutError:
-                silent += ctx.config.poll_s
-                if not ctx.registry.is_live(engine_id):
-                    raise WorkerUnavailable(f"worker {engine_id} left the registry") from None
-                if silent >= ctx.config.read_timeout_s:
-                    raise WorkerUnavailable(
-                        f"worker {engine_id} silent for {silent:.0f} s"
-                    ) from None
-                continue
-            silent = 0.0
-            if chunk is None:
-                raise WorkerUnavailable("worker stream ended without a finish_reason")
-            reason = chunk.get("finish_reason")
-            if reason in ("error", "abort") or chunk.get("error"):
-                err = chunk.get("error") or {}
-                msg = err.get("message") if isinstance(err, dict) else str(err)
-                raise WorkerUnavailable(f"worker ended the request ({reason}): {msg}")
-            finished = reason is not None
-            yield chunk
-            if finished:
-                return
-    finally:
-        worker.inflight -= 1
-        if not finished:
-            ctx.abort_soon(url, body["request_id"])
-        # Shielded: a second cancellation (client gone, gather cancelled) must not leak the stream.
-        await asyncio.shield(stream.aclose())
-
-
-def _chunk_fields(
-    chunk: dict[str, Any], vocab: int
-) -> tuple[list[int], list[Any] | None, str | None]:
-    """A worker chunk's token ids, logprobs and finish reason; WorkerUnavailable if malformed."""
-    token_ids = chunk.get("token_ids") or []
-    logprobs = chunk.get("logprobs")
-    reason = chunk.get("finish_reason")
-    if not isinstance(token_ids, list) or not all(
-        type(t) is int and 0 <= t < vocab for t in token_ids
-    ):
-        raise WorkerUnavailable("worker chunk has malformed token_ids")
-    if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)):
-        raise WorkerUnavailable("worker chunk has malformed logprobs")
-    if reason is not None and not isinstance(reason, str):
-        raise WorkerUnavailable("worker chunk has a malformed finish_reason")
-    return token_ids, logprobs, reason
-
-
-def _client_error(exc: WorkerRejected) -> OpenAIError:
-    err = exc.error
-    return OpenAIError(
-        exc.status,
-        str(err.get("message") or exc),
-        param=err.get("param"),
-        code=err.get("code"),
-    )
+        raise client_error(exc) from None

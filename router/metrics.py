@@ -60,6 +60,36 @@ class RouterMetrics:
             ["model"], registry=r,
         ).labels(model)  # fmt: skip
 
+        self.migrations = Counter(
+            "tandem_router_migrations_total",
+            "Streams moved to another worker after theirs failed (kv_retry: same KV, before "
+            "decode's first token; resume: prompt + delivered tokens re-prefilled)",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "tandem_router_queue_depth", "Requests waiting in the router for an in-flight slot",
+            ["model"], registry=r,
+        ).labels(model)  # fmt: skip
+        self.inflight = Gauge(
+            "tandem_router_inflight_requests", "Worker sub-requests admitted and not yet ended",
+            ["model"], registry=r,
+        ).labels(model)  # fmt: skip
+        self.rejections = Counter(
+            "tandem_router_rejections_total",
+            "Requests refused by admission control (429), by reason",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.timeouts = Counter(
+            "tandem_router_request_timeouts_total", "Requests ended by --request-timeout",
+            ["model"], registry=r,
+        ).labels(model)  # fmt: skip
+
+    def migration(self, reason: str) -> None:
+        self.migrations.labels(self.model, reason).inc()
+
+    def rejection(self, reason: str) -> None:
+        self.rejections.labels(self.model, reason).inc()
+
     def request(self, route: str, code: int) -> None:
         self.requests.labels(self.model, route, str(code)).inc()
 

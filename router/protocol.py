@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tandem.engine.request_limits import (
     MAX_LOGPROBS,
     MAX_N,
+    MAX_PRIORITY,
     MAX_STOP_STRINGS,
     LimitError,
     check_choices,
@@ -86,6 +87,9 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: lower is served first, in the router's queue and the workers'; under
+    # overload the highest values are shed first.
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("top_k")
     @classmethod

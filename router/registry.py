@@ -13,6 +13,7 @@ bounded (``url`` is ``scheme://host:port`` only; endpoints are ``tcp://host:port
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,7 @@ class WorkerInfo:
     # engine/fingerprint.py digest: prefill and decode are paired only when equal (None: a
     # worker that sends none, which pairs only with others that send none).
     fingerprint: str | None = None
+    max_num_seqs: int | None = None  # the worker's batch size (admission's default limit)
 
     @classmethod
     def from_json(cls, d: object) -> WorkerInfo:
@@ -118,6 +120,11 @@ class WorkerInfo:
                 raise bad_request(f"{key} must be a string or null", key)
             if v:
                 check_zmq_endpoint(v, key)
+        seqs = d.get("max_num_seqs")
+        if seqs is not None and (
+            not isinstance(seqs, int) or isinstance(seqs, bool) or not 1 <= seqs <= 1 << 20
+        ):
+            raise bad_request("max_num_seqs must be an integer in [1, 2**20]", "max_num_seqs")
         url = check_worker_url(d["url"])
         fp = d.get("fingerprint")
         if fp is not None and (
@@ -136,6 +143,7 @@ class WorkerInfo:
             kv_events_endpoint=d.get("kv_events_endpoint") or None,
             kv_side_channel=d.get("kv_side_channel"),
             fingerprint=fp,
+            max_num_seqs=seqs,
         )
 
 
@@ -229,6 +237,9 @@ class WorkerRegistry:
         self._timeout = heartbeat_timeout_s
         self._model = model
         self._workers: dict[str, WorkerState] = {}
+        # Workers known to be gone (heartbeats lost, or replaced by a restart at their URL), as
+        # opposed to deregistered ones, which drain: their open streams still finish. Bounded.
+        self._gone: OrderedDict[str, None] = OrderedDict()
 
     def register(self, info: WorkerInfo) -> list[WorkerState]:
         """Add or refresh a worker; returns entries it replaced (same URL, older engine id)."""
@@ -258,6 +269,8 @@ class WorkerRegistry:
         ]
         for old in replaced:
             del self._workers[old.info.engine_id]
+            self._mark_gone(old.info.engine_id)
+        self._gone.pop(info.engine_id, None)
         if existing is not None:
             existing.last_seen = self._clock()
         else:
@@ -283,7 +296,19 @@ class WorkerRegistry:
         dead = [w for w in self._workers.values() if w.last_seen < deadline]
         for w in dead:
             del self._workers[w.info.engine_id]
+            self._mark_gone(w.info.engine_id)
         return dead
+
+    def _mark_gone(self, engine_id: str) -> None:
+        self._gone[engine_id] = None
+        while len(self._gone) > 4 * MAX_WORKERS:
+            self._gone.popitem(last=False)
+
+    def is_gone(self, engine_id: str) -> bool:
+        """True for a worker dropped because it stopped heartbeating or was replaced by a new
+        process at its URL: its streams will not finish. A worker that deregistered (draining)
+        is not gone: it finishes what it holds."""
+        return engine_id in self._gone
 
     def get(self, engine_id: str) -> WorkerState | None:
         return self._workers.get(engine_id)

@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from tandem.engine.role import Role
+from tandem.router.admission import Ticket
 from tandem.router.body import read_capped
 from tandem.router.errors import OpenAIError, bad_request, no_workers
 from tandem.router.flow import (
@@ -28,10 +30,10 @@ from tandem.router.flow import (
     stream_choices,
     text_options,
 )
-from tandem.router.metrics import RouterMetrics
 from tandem.router.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
 from tandem.router.sse import Kind, ResponseBuilder
 from tandem.router.state import RouterState
+from tandem.router.timing import RequestTiming
 
 T = TypeVar("T")
 
@@ -64,30 +66,42 @@ async def handle_generation(s: RouterState, request: Request, kind: Kind) -> Res
         else:
             encoded = _encode_prompts(s, req)
         jobs, prompt_tokens = _make_jobs(s, req, request_id, encoded)
-        s.metrics.prompt_tokens.inc(prompt_tokens)
-        builder = ResponseBuilder(
-            kind,
-            request_id,
-            s.config.model,
-            len(jobs),
-            prompt_tokens,
-            s.encoder,
-            logprobs=_engine_logprobs(req) is not None,
-            include_usage=req.include_usage,
-        )
-        timing = _Timing(s.metrics, arrival, len(jobs))
-        events = stream_choices(s.flow, jobs)
-        if req.stream:
-            first = await _until_disconnect(request, anext(events, None), events)
-            s.metrics.request(route, 200)
-            return StreamingResponse(
-                _sse_body(builder, events, first, timing),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        # Admission: wait for an in-flight slot (429 when refused); released however it ends.
+        ticket = await _until_disconnect(request, s.gate.admit(req.priority, len(jobs)), None)
+        end = _End(s, ticket, RequestTiming(s.metrics, arrival, len(jobs)))
+        try:
+            s.metrics.prompt_tokens.inc(prompt_tokens)
+            builder = ResponseBuilder(
+                kind,
+                request_id,
+                s.config.model,
+                len(jobs),
+                prompt_tokens,
+                s.encoder,
+                logprobs=_engine_logprobs(req) is not None,
+                include_usage=req.include_usage,
             )
-        await _until_disconnect(request, _collect(builder, events, timing), events)
-        s.metrics.request(route, 200)
-        return JSONResponse(builder.response())
+            end.events = events = stream_choices(s.flow, jobs)
+            deadline = _Deadline(s, arrival)
+            if req.stream:
+                first = await _until_disconnect(request, deadline.wait(anext(events, None)), events)
+                s.metrics.request(route, 200)
+                response = StreamingResponse(
+                    _sse_body(builder, events, first, end, deadline),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    background=BackgroundTask(end.close),  # also if the body never ran
+                )
+                end = None  # the response owns it now
+                return response
+            await _until_disconnect(
+                request, deadline.wait(_collect(builder, events, end.timing)), events
+            )
+            s.metrics.request(route, 200)
+            return JSONResponse(builder.response())
+        finally:
+            if end is not None:
+                await end.close()
     except OpenAIError as exc:
         s.metrics.request(route, exc.status)
         return exc.response()
@@ -187,7 +201,11 @@ def _make_jobs(
             sampling = req.to_sampling_dict(max_tokens, _engine_logprobs(req))
             if req.seed is not None:
                 sampling["seed"] = req.seed + j
-            jobs.append(ChoiceJob(request_id, len(jobs), ids, sampling, text_options(sampling)))
+            jobs.append(
+                ChoiceJob(
+                    request_id, len(jobs), ids, sampling, text_options(sampling), req.priority
+                )
+            )
     return jobs, total_prompt
 
 
@@ -196,7 +214,8 @@ class _Disconnected(Exception):
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T], events: Any) -> T:
-    """Await ``work`` unless the client goes away first (then the flow is closed: aborts)."""
+    """Await ``work`` unless the client goes away first (then the flow, if any, is closed:
+    aborts)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -206,7 +225,8 @@ async def _until_disconnect(request: Request, work: Awaitable[T], events: Any) -
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await events.aclose()
+        if events is not None:
+            await events.aclose()
         raise _Disconnected()
     return task.result()
 
@@ -239,18 +259,19 @@ async def _sse_body(
     builder: ResponseBuilder,
     events: AsyncIterator[TokenEvent],
     first: TokenEvent | None,
-    timing: _Timing,
+    end: _End,
+    deadline: _Deadline,
 ) -> AsyncIterator[bytes]:
     try:
         for chunk in builder.start_chunks():
             yield chunk
         ev = first
         while ev is not None:
-            timing.on_event(ev)
+            end.timing.on_event(ev)
             _absorb(builder, ev)
             for chunk in builder.event_chunks(ev):
                 yield chunk
-            ev = await anext(events, None)
+            ev = await deadline.wait(anext(events, None))
         for chunk in builder.end_chunks():
             yield chunk
     except OpenAIError as exc:
@@ -260,52 +281,50 @@ async def _sse_body(
         for chunk in builder.error_chunks(OpenAIError(502, str(exc), code="worker_failed")):
             yield chunk
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        timing.finish()
+        await end.close()
 
 
-class _Timing:
-    """TTFT, ITL and end-to-end latency of one request.
+class _Deadline:
+    """The whole request's deadline (``--request-timeout``): a 504 before output, an error event
+    in the stream after; either way the flow closes, which aborts on the workers."""
 
-    In P->D mode TTFT is taken at the first token from decode (covering prefill, KV transfer and
-    the first decode step), although prefill's token already reached the client; ITL then measures
-    decode steps only. TTFT is observed once per request, at its first choice to get there.
-    """
+    def __init__(self, s: RouterState, arrival: float) -> None:
+        self._s = s
+        limit = s.config.request_timeout_s
+        self._at = arrival + limit if limit > 0 else None
 
-    def __init__(self, metrics: RouterMetrics, arrival: float, num_choices: int) -> None:
-        self._m = metrics
-        self._arrival = arrival
-        self._ttft_done = False
-        self._last: list[float | None] = [None] * num_choices
-        self._tokens = 0
-        self._done = False
+    async def wait(self, work: Awaitable[T]) -> T:
+        if self._at is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, max(0.0, self._at - time.monotonic()))
+        except TimeoutError:
+            self._s.metrics.timeouts.inc()
+            raise OpenAIError(
+                504,
+                "The request did not complete within the server's request timeout "
+                f"({self._s.config.request_timeout_s:g} s).",
+                code="request_timeout",
+            ) from None
 
-    def on_event(self, ev: TokenEvent) -> None:
-        n = len(ev.token_ids)
-        self._tokens += n
-        if n == 0 and ev.finish_reason is None:
+
+class _End:
+    """Everything a request holds until it ends, released once whichever way it ends: the flow
+    (aborts on the workers), its latency sample and its admission slot."""
+
+    def __init__(self, s: RouterState, ticket: Ticket, timing: RequestTiming) -> None:
+        self._s = s
+        self._ticket: Ticket | None = ticket
+        self.timing = timing
+        self.events: AsyncGenerator[TokenEvent, None] | None = None
+
+    async def close(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is None:
             return
-        if ev.handoff:
-            return  # wait for decode's first token
-        now = time.monotonic()
-        prev = self._last[ev.choice]
-        if prev is None:
-            if not self._ttft_done:
-                self._ttft_done = True
-                self._m.ttft.observe(now - self._arrival)
-            n_itl = n - 1  # the first token of a choice has no inter-token gap before it
-        else:
-            n_itl = n
-        if prev is not None and n_itl > 0:
-            for _ in range(n_itl):
-                self._m.itl.observe((now - prev) / n_itl)
-        if n:
-            self._last[ev.choice] = now
-
-    def finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._tokens:  # requests that failed before any output are not latency samples
-            self._m.e2e.observe(time.monotonic() - self._arrival)
-        self._m.generation_tokens.inc(self._tokens)
+        try:
+            if self.events is not None:
+                await self.events.aclose()
+            self.timing.finish()
+        finally:
+            self._s.gate.release(ticket)

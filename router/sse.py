@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from tandem.router.choice_output import TokenEvent
 from tandem.router.errors import OpenAIError
-from tandem.router.flow import TokenEvent
 from tandem.router.tokenizer import PromptEncoder
 
 DONE = b"data: [DONE]\n\n"

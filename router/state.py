@@ -21,8 +21,10 @@ from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.engine.model_path import resolve_model_path
 from tandem.engine.request_limits import MAX_REQUEST_BYTES
 from tandem.engine.role import Role
+from tandem.router.admission import Admission, capacity_limit
 from tandem.router.errors import OpenAIError
 from tandem.router.flow import FlowConfig, FlowContext
+from tandem.router.gate import AdmissionGate
 from tandem.router.kv_events import KvEventSubscriber
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import Placer, Policy
@@ -37,6 +39,8 @@ from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import Timeouts, WorkerClient
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_SEQS = 256  # the engine's default batch size, for workers that do not say
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +63,13 @@ class RouterConfig:
     # The prefix index holds at most this many block hashes per worker, whatever it claims.
     index_blocks_per_worker: int = 1 << 18
     template_timeout_s: float = 5.0  # rendering one chat template, off the event loop
+    # Admission (admission.py): worker sub-requests in flight at once (None: derived from the
+    # decode pool's batch sizes), requests waiting here for a slot, and how long they may wait.
+    max_inflight_requests: int | None = None
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0  # whole-request deadline (0: none)
+    migration_limit: int = 1
 
 
 def model_context_limit(config: RouterConfig) -> int | None:
@@ -107,8 +118,23 @@ class RouterState:
                 prefill_overload_queue=config.prefill_overload_queue,
                 poll_s=config.poll_s,
                 read_timeout_s=config.timeouts.read_s,
+                migration_limit=config.migration_limit,
             ),
         )
+        self.gate = AdmissionGate(
+            Admission(config.max_queued_requests, config.queue_timeout_s),
+            self.inflight_limit,
+            metrics,
+            clock,
+        )
+
+    def inflight_limit(self) -> int:
+        """Worker sub-requests the router dispatches at once: the configured limit, or twice
+        the decode pool's batch slots (``admission.capacity_limit``)."""
+        if self.config.max_inflight_requests is not None:
+            return self.config.max_inflight_requests
+        pool = self.registry.by_role(Role.DECODE, Role.COLOCATED)
+        return capacity_limit([w.info.max_num_seqs or DEFAULT_MAX_NUM_SEQS for w in pool])
 
     def _on_event(self, engine_id: str, result: ApplyResult) -> None:
         if result is ApplyResult.NEEDS_RESYNC:

@@ -4,9 +4,13 @@
 (each worker learns the router only through registration, retrying until it listens), waits until
 every worker has registered, prints the
 URL and a ready-to-paste curl line, and supervises: Ctrl-C or SIGTERM stops every child (SIGTERM,
-then SIGKILL after a grace period), and a child that dies takes the whole set down with its log tail
-printed, so no process is ever left orphaned. Children run in their own sessions (the terminal's
-Ctrl-C reaches only this process, which forwards it) and, on Linux, get SIGTERM if it dies.
+then SIGKILL after a grace period), so no process is ever left orphaned. A child that exits after
+start-up is reported with its log tail and restarted on the same port after a bounded backoff
+(1 s doubling to 30 s; back to 1 s once it ran a minute), each restart printed; the router drops
+the dead worker meanwhile and the restarted one registers under a new engine id. A child that dies
+during start-up fails the whole start. Children run in their own sessions (the terminal's Ctrl-C
+reaches only this process, which forwards it) and, on Linux, get SIGTERM if it dies
+(``supervisor.py``).
 
 The cluster token: ``$TANDEM_CLUSTER_TOKEN`` or ``--cluster-token-file`` when given, else a
 random one made for this run. Children get it in their environment only (never argv, never the
@@ -16,25 +20,20 @@ default).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken, generate_token
+from tandem.supervisor import ProcessSpec, StartupFailed, Supervisor
 from tandem.up_config import (  # re-exported: the command lines are part of `tandem up`
     ROUTER,
-    ProcessSpec,
     UpConfig,
     build_parser,
     build_specs,
@@ -48,100 +47,6 @@ __all__ = [
     "ProcessSpec", "UpConfig", "build_parser", "build_specs", "curl_line", "free_port", "launch",
     "main", "parse_config", "run",
 ]  # fmt: skip
-
-
-class StartupFailed(Exception):
-    pass
-
-
-@dataclass
-class Child:
-    spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes] = field(repr=False)
-
-    def tail(self, lines: int = 30) -> str:
-        self.log_file.flush()
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Supervisor:
-    """Starts, watches and stops the children. Owns their processes and log files."""
-
-    def __init__(self, log_dir: Path, out: Callable[[str], None] = print) -> None:
-        self.log_dir = log_dir
-        self.children: list[Child] = []
-        self.out = out
-        self._stop_signal: int | None = None
-
-    def request_stop(self, signum: int, _frame: object = None) -> None:
-        self._stop_signal = signum
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop_signal is not None
-
-    def spawn(self, spec: ProcessSpec) -> Child:
-        log_path = self.log_dir / f"{spec.name}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in stop_all
-        env = {**os.environ, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            spec.argv,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run before the spawns
-        )
-        child = Child(spec, proc, log_path, log_file)
-        self.children.append(child)
-        return child
-
-    def dead(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
-
-    def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
-        """Poll ``ready`` until true; raises StartupFailed when a child dies or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if self.stopping:
-                raise StartupFailed("interrupted")
-            child = self.dead()
-            if child is not None:
-                raise StartupFailed(
-                    f"{child.spec.name} exited with code {child.proc.returncode} while waiting "
-                    f"for {what}; last lines of {child.log_path}:\n{child.tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise StartupFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
-            time.sleep(0.2)
-
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live child, SIGKILL whoever outlives the grace period; reap all."""
-        for c in reversed(self.children):
-            if c.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(c.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
-            c.log_file.close()
 
 
 def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> dict | None:
@@ -195,17 +100,8 @@ def run(
         for c in supervisor.children:
             out(f"  {c.spec.name:<12} pid {c.proc.pid:<8} {c.spec.url}  log: {c.log_path}")
         on_ready()
-        reported: set[str] = set()
         while not supervisor.stopping:
-            for child in supervisor.children:
-                if child.proc.poll() is None or child.spec.name in reported:
-                    continue
-                reported.add(child.spec.name)
-                out(f"tandem up: {child.spec.name} exited with code {child.proc.returncode}. "
-                    f"Last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
-            if not _can_serve(supervisor):
-                out("tandem up: every router or every decode worker is gone; stopping")
-                return 1
+            supervisor.watch(time.monotonic())
             time.sleep(0.2)
         out("tandem up: stopping")
         return 0
@@ -217,17 +113,6 @@ def run(
         return 1
     finally:
         supervisor.stop_all()
-
-
-def _can_serve(supervisor: Supervisor) -> bool:
-    """A dead prefill, one of several decode workers or one of several routers is survivable:
-    routers drop a dead worker from their registries and place traffic on the others (or
-    prefill on decode), and clients use another router. Serving needs a router and at least one
-    decode (or colocated) worker."""
-    alive = [c.spec for c in supervisor.children if c.proc.poll() is None]
-    return any(s.role == ROUTER for s in alive) and any(
-        s.role in ("decode", "colocated") for s in alive
-    )
 
 
 def _port_is_free(host: str, port: int) -> bool:

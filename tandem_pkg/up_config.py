@@ -12,10 +12,11 @@ import shlex
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
+from tandem.supervisor import ProcessSpec
 from tandem.transports import TRANSPORTS, pick, require
 
 ROUTER = "router"
@@ -40,18 +41,21 @@ class UpConfig:
     cluster_token_file: str | None = None
     routers: int = 1  # router processes on consecutive ports, every worker registered with all
     notes: tuple[str, ...] = ()  # what parse_config chose for the user (printed at start)
+    # Router admission, deadline and migration flags; None: the router's default (not passed).
+    max_inflight_requests: int | None = None
+    max_queued_requests: int | None = None
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+    migration_limit: int | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class ProcessSpec:
-    """One child: ``role`` is ``router`` or the worker role it registers as."""
-
-    name: str
-    role: str
-    argv: tuple[str, ...]
-    url: str
-    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # secrets: never printed
-    internal_url: str | None = None  # the router's registry listener (router only)
+_ROUTER_PASSTHROUGH = (
+    ("max_inflight_requests", "--max-inflight-requests"),
+    ("max_queued_requests", "--max-queued-requests"),
+    ("queue_timeout", "--queue-timeout"),
+    ("request_timeout", "--request-timeout"),
+    ("migration_limit", "--migration-limit"),
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,6 +99,10 @@ def build_specs(
             "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
             "--prefill-overload-queue", str(cfg.prefill_overload_queue),
         )  # fmt: skip
+        for attr, flag in _ROUTER_PASSTHROUGH:
+            value = getattr(cfg, attr)
+            if value is not None:
+                router_argv += (flag, str(value))
         name = ROUTER if cfg.routers == 1 else f"{ROUTER}-{i}"
         url = f"http://{cfg.host}:{port}"
         specs.append(ProcessSpec(name, ROUTER, router_argv, url, env, internal_url))
@@ -170,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-token-file", default=None, metavar="PATH",
                    help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}, else a random one per "
                    "run); children get it in their environment")  # fmt: skip
+    from tandem.router.cli import add_admission_args
+
+    add_admission_args(p)  # passed to the router only when given
+    p.set_defaults(**{attr: None for attr, _ in _ROUTER_PASSTHROUGH})
     return p
 
 
@@ -181,6 +193,17 @@ def parse_config(argv: list[str]) -> UpConfig:
         raise SystemExit(
             "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
         )
+    from tandem.router.cli import admission_errors
+    from tandem.router.cli import build_parser as router_parser
+
+    given = {attr: getattr(a, attr) for attr, _ in _ROUTER_PASSTHROUGH}
+    checked = router_parser().parse_args([])
+    for attr, value in given.items():
+        if value is not None:
+            setattr(checked, attr, value)
+    problem = admission_errors(checked)
+    if problem is not None:
+        raise SystemExit(f"tandem up: {problem}")
     if a.model != "demo" and not Path(a.model).is_dir():
         raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
     if not 1 <= a.routers <= 16:
@@ -196,5 +219,5 @@ def parse_config(argv: list[str]) -> UpConfig:
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
         log_dir=a.log_dir, internal_port=a.internal_port,
-        cluster_token_file=a.cluster_token_file,
+        cluster_token_file=a.cluster_token_file, **given,
     )  # fmt: skip

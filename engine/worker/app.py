@@ -4,6 +4,11 @@ create_app(config, role) builds a FastAPI app whose lifespan owns the WorkerServ
 thread, the role's connector, KV event publisher) and the router registration. Handlers only
 validate, hand work to the engine thread and stream its outputs back.
 
+If the engine thread dies, every open stream has already ended with an error chunk (the engine
+thread does that); the app then stops serving: ``/health`` fails, the worker deregisters from
+the router, ``app.state.engine_failed`` is set and ``app.state.shutdown`` (installed by the CLI)
+stops the server, whose exit status is then non-zero.
+
 ``/info`` and ``/v1/internal/*`` require the cluster token (``config.cluster_token``; the CLI
 always has one); ``/health`` and ``/metrics`` stay open for probes and Prometheus. Bodies are
 read under a cap and requests are re-checked against the router's limits (defence in depth).
@@ -16,6 +21,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +36,12 @@ from tandem.engine.engine import Engine
 from tandem.engine.internal_auth import ClusterAuth
 from tandem.engine.outputs import EngineOutput
 from tandem.engine.request_limits import MAX_CONTROL_BYTES, MAX_INTERNAL_REQUEST_BYTES
-from tandem.engine.worker.protocol import BadRequest, encode_chunk, parse_generate_request
+from tandem.engine.worker.protocol import (
+    BadRequest,
+    QueueFull,
+    encode_chunk,
+    parse_generate_request,
+)
 from tandem.engine.worker.role import WorkerRole
 from tandem.engine.worker.router_set import RouterSet
 from tandem.engine.worker.service import WorkerConfig, WorkerService
@@ -47,6 +58,11 @@ def _error(
         "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     }
     return JSONResponse(body, status_code=status)
+
+
+def _unavailable(message: str, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "unavailable", "param": None, "code": code}}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
 def is_internal(path: str) -> bool:
@@ -82,8 +98,13 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def on_fatal(exc: BaseException) -> None:  # on the engine thread, as it dies
+            loop.call_soon_threadsafe(lambda: loop.create_task(_engine_died(app)))
+
         def build() -> WorkerService:
-            return WorkerService(config, role, build_engine_parts(config.engine))
+            return WorkerService(config, role, build_engine_parts(config.engine), on_fatal)
 
         service = await asyncio.to_thread(build)
         service.start()
@@ -111,6 +132,8 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             await asyncio.to_thread(service.close)
 
     app = FastAPI(title="tandem worker", lifespan=lifespan)
+    app.state.engine_failed = False
+    app.state.shutdown = None
     app.add_middleware(ClusterAuth, token=config.cluster_token, protects=is_internal)
 
     def svc(request: Request) -> WorkerService:
@@ -174,20 +197,33 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
         done = await asyncio.wrap_future(s.thread.call(lambda e: e.abort([rid])))
         return JSONResponse({"aborted": bool(done)})
 
+    @app.get("/v1/internal/integrity")
+    async def integrity(request: Request) -> Response:
+        """The engine's accounting and whether it is consistent (the chaos suite's end-of-run
+        check: an idle worker holds no block and no request)."""
+        s = svc(request)
+
+        def check(e: Engine) -> dict[str, Any]:
+            try:
+                e.check_integrity()
+                error = None
+            except AssertionError as exc:
+                error = str(exc)
+            acct = e.accounting()
+            return {"engine_id": s.engine_id, "ok": error is None, "error": error,
+                    "idle": acct.idle, **acct.to_dict()}  # fmt: skip
+
+        try:
+            return JSONResponse(await asyncio.wrap_future(s.thread.call(check)))
+        except RuntimeError as exc:
+            return _unavailable(str(exc), "engine_dead")
+
     @app.post("/v1/internal/generate")
     async def generate(request: Request) -> Response:
         s = svc(request)
-        if s.draining:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "worker is draining",
-                        "type": "unavailable",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status_code=503,
+        if s.draining or not s.thread.alive:
+            return _unavailable(
+                "worker is draining" if s.thread.alive else "the engine is not running"
             )
         try:
             body = await _json_body(request, MAX_INTERNAL_REQUEST_BYTES)
@@ -217,12 +253,22 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             msg = str(exc)
             param = "prompt_token_ids" if "prompt" in msg else None
             return _error(400, msg, param)
+        except QueueFull as exc:
+            s.thread.unsubscribe(greq.request_id)
+            return _unavailable(str(exc), "queue_full")
+        except RuntimeError as exc:  # the engine thread died
+            s.thread.unsubscribe(greq.request_id)
+            return _unavailable(str(exc), "engine_dead")
 
         async def stream() -> AsyncIterator[bytes]:
             remaining = greq.params.n
             try:
                 while remaining:
                     out = await queue.get()
+                    if out.index < 0:  # the engine thread died: the whole group ended
+                        remaining = 0
+                        yield encode_chunk(replace(out, index=0))
+                        break
                     if out.finished:
                         remaining -= 1
                     yield encode_chunk(out)
@@ -234,3 +280,17 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
     return app
+
+
+async def _engine_died(app: FastAPI) -> None:
+    """The engine thread died (its streams have ended): stop taking work, leave the router,
+    then stop the server so the process exits non-zero and its supervisor restarts it."""
+    service: WorkerService = app.state.service
+    service.draining = True
+    app.state.engine_failed = True
+    log.critical("the engine thread died; leaving the router and exiting")
+    registrar = app.state.registrar
+    if registrar is not None:
+        await registrar.stop()
+    if app.state.shutdown is not None:
+        app.state.shutdown()

@@ -66,6 +66,12 @@ def parser(role: Role) -> argparse.ArgumentParser:
         p.add_argument(flag, type=int, default=0, metavar="PORT",
                        help=f"the {what} port (default 0: any free port)")  # fmt: skip
     p.add_argument("--kv-lease-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--kv-transfer-timeout", type=float, metavar="SECONDS",
+        default=float(os.environ.get("TANDEM_KV_TRANSFER_TIMEOUT") or 30.0),
+        help="longest phase of one KV pull before it fails and decode recomputes "
+        "(default $TANDEM_KV_TRANSFER_TIMEOUT, else 30)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -76,6 +82,11 @@ def parser(role: Role) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any engine option, e.g. max_num_seqs=64 (repeatable)",
     )
+    p.add_argument(
+        "--max-waiting-requests", type=int, default=None, metavar="N",
+        help="refuse generate with 503 beyond this many waiting requests "
+        "(default: 4 x max_num_seqs)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -84,6 +95,8 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     """Run the worker of ``role`` with the parsed shared flags until it is stopped."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise SystemExit("--max-waiting-requests must be >= 1")
     for name in ("kv_events_port", "kv_side_channel_port", "kv_data_port"):
         if not 0 <= getattr(args, name) < 65536:
             raise SystemExit(f"--{name.replace('_', '-')} must be in 0..65535")
@@ -120,16 +133,26 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         port=args.port,
         advertise_host=args.advertise_host,
         router_urls=tuple(args.router_url),
+        max_waiting_requests=args.max_waiting_requests,
         cluster_token=token,
         kv_events_port=args.kv_events_port,
         kv_side_channel_port=args.kv_side_channel_port,
         kv_data_port=args.kv_data_port,
     )
-    uvicorn.run(
-        create_app(config, role),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        access_log=False,
+    app = create_app(config, role)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
     )
+    app.state.shutdown = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.engine_failed:
+        logging.getLogger(__name__).critical("exiting: the engine thread died")
+        return 1
     return 0

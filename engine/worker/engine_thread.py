@@ -2,6 +2,12 @@
 
 Other threads (the worker's asyncio loop) only ever reach the engine through ``call``; outputs come
 back through per-request sinks, which must be cheap and thread-safe (e.g. call_soon_threadsafe).
+
+A failed step is contained by the engine itself (``engine/recovery.py``). If the thread dies
+anyway (``EngineFailed``, or a failure outside the step), every subscribed stream gets one final
+error output at once (``index`` -1: the whole request group ended), every pending and later
+``call`` fails, and ``on_fatal`` tells the worker shell, which leaves the router, fails
+``/health`` and exits non-zero.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ class EngineThread:
         engine: Engine,
         after_step: Callable[[Engine], None] | None = None,
         idle_wait_s: float = 0.05,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._after_step = after_step
+        self._on_fatal = on_fatal
         self._idle_wait = idle_wait_s
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = (
             queue.SimpleQueue()
@@ -58,6 +66,8 @@ class EngineThread:
             fut.set_exception(RuntimeError("the engine is not running"))
             return fut
         self._commands.put((fn, fut))
+        if not self.alive:  # died between the check and the put: nobody will run it
+            self._fail_pending()
         return fut
 
     def subscribe(self, group_id: str, sink: Sink) -> None:
@@ -96,10 +106,27 @@ class EngineThread:
                     # Only waiting on the KV connector: poll without spinning a core.
                     self._drain_commands(block=True, timeout=0.002)
         except BaseException as exc:  # the worker reports unhealthy; nothing else can recover
-            log.exception("engine thread died")
+            log.critical("engine thread died", exc_info=exc)
             self.fatal_error = exc
-            while not self._commands.empty():
+            self._end_streams(f"the engine thread died: {type(exc).__name__}: {exc}")
+            self._fail_pending()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _end_streams(self, message: str) -> None:
+        for group_id, sink in list(self._sinks.items()):
+            try:
+                sink(fatal_output(group_id, message))
+            except Exception:  # noqa: BLE001 - every other stream must still end
+                log.exception("ending stream %s failed", group_id)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
                 _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the engine thread died"))
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
@@ -119,3 +146,16 @@ class EngineThread:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+
+def fatal_output(group_id: str, message: str) -> EngineOutput:
+    """The one output a stream gets when the engine thread dies: the whole group ended."""
+    return EngineOutput(
+        request_id=group_id,
+        group_id=group_id,
+        index=-1,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=message,
+    )

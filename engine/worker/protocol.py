@@ -4,11 +4,12 @@ stream chunks. Pure."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.outputs import EngineOutput
 from tandem.engine.request_limits import (
+    MAX_PRIORITY,
     MAX_STOP_STRINGS,
     LimitError,
     check_n,
@@ -27,6 +28,7 @@ _KEYS = {
     "kv_transfer_params",
     "remote_decode",
     "priority",
+    "resume_token_ids",
 }
 
 
@@ -38,6 +40,8 @@ class GenerateRequest:
     kv_transfer_params: dict[str, Any] | None
     remote_decode: bool
     priority: int
+    # Tokens generated (and delivered) elsewhere: outputs 0..k-1 here (a migrated stream).
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 class BadRequest(ValueError):
@@ -46,6 +50,11 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class QueueFull(Exception):
+    """The worker's waiting queue is at its bound: answered 503 with Retry-After, so a router
+    that misjudged the load tries elsewhere instead of flooding this worker."""
 
 
 def parse_generate_request(body: Any) -> GenerateRequest:
@@ -83,13 +92,28 @@ def parse_generate_request(body: Any) -> GenerateRequest:
     if not isinstance(remote_decode, bool):
         raise BadRequest("remote_decode must be a boolean", "remote_decode")
     priority = body.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise BadRequest("priority must be an integer", "priority")
+    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_PRIORITY:
+        raise BadRequest("priority must be an integer in [-2**31 + 1, 2**31 - 1]", "priority")
+    resume = body.get("resume_token_ids") or []
+    if (
+        not isinstance(resume, list)
+        or len(resume) > MAX_PROMPT_TOKENS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in resume)
+    ):
+        raise BadRequest(
+            "resume_token_ids must be a list of non-negative integers", "resume_token_ids"
+        )
+    if resume and (kv is not None or remote_decode or params.n != 1):
+        raise BadRequest(
+            "resume_token_ids continue a local sequence: n = 1, no kv_transfer_params and no "
+            "remote_decode",
+            "resume_token_ids",
+        )
     if kv is not None and remote_decode:
         raise BadRequest("a request cannot both carry and produce kv_transfer_params")
     if (kv is not None or remote_decode) and params.n != 1:
         raise BadRequest("disaggregated requests take n = 1; the router fans out", "n")
-    return GenerateRequest(rid, ids, params, kv, remote_decode, priority)
+    return GenerateRequest(rid, ids, params, kv, remote_decode, priority, resume)
 
 
 def _check_limits(raw: object) -> None:

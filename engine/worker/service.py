@@ -8,6 +8,7 @@ engine thread, the KV event publisher and the metrics registry. ``close`` stops 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,11 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.engine.request import Request
+from tandem.engine.resume import continue_sequence
 from tandem.engine.worker.engine_thread import EngineThread
 from tandem.engine.worker.kv_publisher import KVEventPublisher
 from tandem.engine.worker.metrics import worker_registry
-from tandem.engine.worker.protocol import GenerateRequest
+from tandem.engine.worker.protocol import GenerateRequest, QueueFull
 from tandem.engine.worker.role import RoleContext, WorkerRole
 
 
@@ -41,10 +43,21 @@ class WorkerConfig:
     kv_events_port: int = 0  # fixed listener ports (0: any free one); the operator fixes them
     kv_side_channel_port: int = 0
     kv_data_port: int = 0
+    # Requests waiting for the engine beyond which generate answers 503 (None: 4 x max_num_seqs).
+    max_waiting_requests: int | None = None
+
+
+WAITING_PER_SEQ = 4  # default waiting-queue bound, per sequence slot of the batch
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, role: WorkerRole, parts: EngineParts) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        role: WorkerRole,
+        parts: EngineParts,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.config = config
         self.role = role
         self.engine_id = uuid.uuid4().hex
@@ -77,7 +90,9 @@ class WorkerService:
             self.engine_id, host=config.host, port=config.kv_events_port, token=config.cluster_token
         )
         self.events_endpoint = self.events.endpoint.replace(config.host, host, 1)
-        self.thread = EngineThread(self.engine, after_step=self._after_step)
+        self.thread = EngineThread(self.engine, after_step=self._after_step, on_fatal=on_fatal)
+        seqs = parts.config.scheduler.max_num_seqs
+        self.max_waiting = config.max_waiting_requests or WAITING_PER_SEQ * seqs
 
     def _counters(self) -> dict[str, int]:
         return {
@@ -89,8 +104,9 @@ class WorkerService:
         self.events.publish(engine.take_kv_events())
 
     def submit(self, req: GenerateRequest) -> list[Request]:
-        """On the engine thread: build, role-check and queue; ValueError leaves nothing queued."""
-        return submit(self.engine, self.role, req)
+        """On the engine thread: build, role-check and queue; ValueError (or QueueFull) leaves
+        nothing queued."""
+        return submit(self.engine, self.role, req, self.max_waiting)
 
     def info(self) -> dict[str, Any]:
         """The registration body (docs/internal-api.md WorkerInfo)."""
@@ -103,6 +119,7 @@ class WorkerService:
             "hash_algorithm": HASH_ALGORITHM,
             "max_model_len": self.engine.max_model_len,
             "num_blocks": self.engine.layout.num_blocks,
+            "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
             "kv_events_endpoint": self.events_endpoint,
             "fingerprint": self.fingerprint.digest,
             **self.role.info(),
@@ -127,15 +144,31 @@ class WorkerService:
         self.events.close()
 
 
-def submit(engine: Engine, role: WorkerRole, req: GenerateRequest) -> list[Request]:
+def submit(
+    engine: Engine, role: WorkerRole, req: GenerateRequest, max_waiting: int | None = None
+) -> list[Request]:
     """Build the request(s), let the role apply its fields, queue them (engine thread only).
 
-    Raises BadRequest / ValueError with nothing queued.
+    Raises BadRequest / ValueError (the request is at fault), then QueueFull (more than
+    ``max_waiting`` would wait), with nothing queued; a group whose later member fails to queue
+    is aborted whole.
     """
     reqs = engine.make_requests(
         req.request_id, req.prompt_token_ids, req.params, priority=req.priority
     )
+    waiting = len(engine.scheduler.waiting)
+    if max_waiting is not None and waiting + len(reqs) > max_waiting:
+        raise QueueFull(f"this worker's queue is full ({waiting} requests waiting)")
+    if req.resume_token_ids:
+        continue_sequence(reqs[0], req.resume_token_ids, engine.arch.vocab_size)
     role.intake(engine, reqs, req)
-    for r in reqs:
-        engine.enqueue(r)
+    queued: list[Request] = []
+    try:
+        for r in reqs:
+            engine.enqueue(r)
+            queued.append(r)
+    except BaseException:
+        if queued:
+            engine.abort([r.request_id for r in queued])
+        raise
     return reqs

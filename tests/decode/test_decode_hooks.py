@@ -160,3 +160,23 @@ def test_local_requests_pass_through_untouched() -> None:
     sched.update(out, ModelRunnerOutput(sampled_token_ids={"l": 3}))
     hooks.on_abort(req)
     assert conn.held == {} and conn.started == [] and conn.aborted == []
+
+
+def test_a_preempted_request_recomputes_locally_instead_of_pulling_again() -> None:
+    sched, conn, hooks = setup()
+    req = remote_request("r", list(range(10)), [7, 8, 9])
+    admit(sched, hooks, req)
+    hooks.on_scheduled(sched, sched.schedule())
+    conn.finish("r")
+    hooks.before_step(sched)
+    assert req.status == RequestStatus.RUNNING and req.kv_transfer_params is None
+    out = sched.schedule()
+    sched._preempt(req, out)  # the prefill has released its blocks by now
+    assert req.status == RequestStatus.PREEMPTED
+    again = sched.schedule()
+    assert again.loads == [] and len(conn.started) == 1
+    # Local recompute of what the prefix cache lacks: tokens 8-10 (blocks 0-1 are cached).
+    assert [(s.request.request_id, s.num_new_tokens) for s in again.scheduled] == [("r", 3)]
+    assert req.num_computed_tokens == 8
+    hooks.on_abort(req)
+    assert conn.aborted == []  # nothing of the prefill's is held any more

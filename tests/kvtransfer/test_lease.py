@@ -90,3 +90,22 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError):
         LeaseTable(stuck_grace=0)
     assert len(t) == 1
+
+
+def test_a_release_from_a_decode_that_no_longer_owns_the_lease_is_ignored() -> None:
+    t = LeaseTable(stuck_grace=5.0)
+    t.add("r", now=0.0, lease_seconds=10.0)
+    assert t.renew("r", 1.0, owner=b"d1")
+    assert t.renew("r", 2.0, owner=b"d2")  # a retry on another decode takes the lease over
+    assert t.release("r", R.PEER_ABORTED, 3.0, owner=b"d1") == []
+    assert t.is_active("r")
+    assert t.begin_transfer("r", 4.0, owner=b"d2")
+    assert t.end_transfer("r", 5.0) == []
+    assert t.release("r", None, 6.0, owner=b"d2") == [Released("r", None)]
+
+
+def test_prefills_own_abort_applies_whoever_owns_the_lease() -> None:
+    t = LeaseTable(stuck_grace=5.0)
+    t.add("r", now=0.0, lease_seconds=10.0)
+    t.renew("r", 1.0, owner=b"d1")
+    assert t.release("r", R.ABORTED, 2.0) == [Released("r", R.ABORTED)]

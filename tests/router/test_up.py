@@ -148,3 +148,70 @@ def test_specs_with_several_routers() -> None:
     assert {s.env for s in specs} == {(("TANDEM_CLUSTER_TOKEN", "t" * 32),)}
     with pytest.raises(SystemExit):
         parse_config(["--routers", "0"])
+
+
+def test_specs_pass_admission_flags_to_the_router_only_when_given() -> None:
+    cfg = parse_config(["--max-inflight-requests", "64", "--request-timeout", "30",
+                        "--migration-limit", "0"])  # fmt: skip
+    router_argv = build_specs(cfg, iter([1, 2, 3]), python=PY)[0].argv
+    assert router_argv[-6:] == (
+        "--max-inflight-requests", "64", "--request-timeout", "30.0", "--migration-limit", "0",
+    )  # fmt: skip
+    assert "--max-queued-requests" not in router_argv
+    with pytest.raises(SystemExit):
+        parse_config(["--max-queued-requests", "-1"])
+
+
+def test_up_restarts_a_worker_that_dies(tokenizer_dir: Path, tmp_path: Path) -> None:
+    import threading
+
+    proc, port = _start(tokenizer_dir, tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_line(pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(lines):
+                if m := re.search(pattern, line):
+                    return m
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_line("^READY")
+        pid = int(wait_line(r"decode-0\s+pid (\d+)").group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_line(r"decode-0 exited with code -9 after \d+ s; restarting in 1 s")
+        new_pid = int(wait_line(r"restarted decode-0 \(restart 1\), pid (\d+)").group(1))
+        assert new_pid != pid
+
+        def served() -> bool:
+            try:
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=30,
+                    json={"model": "test-model", "prompt": "abc", "max_tokens": 3},
+                )
+            except httpx.HTTPError:
+                return False  # fmt: skip
+            return r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
+
+        deadline = time.monotonic() + 30
+        while not served():
+            assert time.monotonic() < deadline, "the restarted worker never served"
+            time.sleep(0.1)
+        # Two lives in its log, under two engine ids (it registered anew).
+        log = (tmp_path / "decode-0.log").read_text()
+        ids = re.findall(r"worker (\w+) serving at", log)
+        assert len(ids) == 2 and ids[0] != ids[1] and "--- tandem up: restart 1 ---" in log
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not _alive(new_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

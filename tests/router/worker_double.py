@@ -68,6 +68,18 @@ class Behaviour:
 
     fail_status: int | None = None  # answer generate with this status
     crash_after_tokens: int | None = None  # drop the connection after this many tokens
+    # How many of those faults fire before the worker behaves (None: always). One Behaviour
+    # may be shared by several doubles: "the first worker chosen fails once".
+    faults_left: int | None = None
+
+    def take_fault(self) -> bool:
+        if self.faults_left is None:
+            return True
+        if self.faults_left <= 0:
+            return False
+        self.faults_left -= 1
+        return True
+
     token_delay_s: float = 0.0
     publish_events: bool = True
     heartbeat: bool = True
@@ -91,6 +103,8 @@ class Served:
 async def serve(app: Any, port: int = 0, lifespan: str = "on", host: str = "127.0.0.1") -> Served:
     """Serve an ASGI app on a loopback port in this event loop; returns once it accepts."""
     sock = socket.socket()
+    # A restarted worker takes its predecessor's port, which may still have TIME_WAIT sockets.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -214,7 +228,7 @@ class WorkerDouble:
             body = await request.json()
             self.generate_calls.append(body)
             b = self.behaviour
-            if b.fail_status is not None:
+            if b.fail_status is not None and b.take_fault():
                 return JSONResponse(
                     {"error": {"message": f"injected {b.fail_status}",
                                "type": "invalid_request_error", "param": None, "code": None}},
@@ -241,6 +255,12 @@ class WorkerDouble:
                 yield _line(error_chunk("kv_transfer_params do not match the prompt"))
                 return
             start = 1
+        resume = body.get("resume_token_ids") or []
+        if resume:  # a migrated stream: outputs 0..k-1 were generated elsewhere
+            if resume != [self.token_at(prompt, k, seed) for k in range(len(resume))]:
+                yield _line(error_chunk("resume_token_ids do not match the prompt"))
+                return
+            start = len(resume)
         aborted = self._active[rid]
         try:
             for k in range(start, max_tokens):
@@ -248,7 +268,7 @@ class WorkerDouble:
                     yield _line(chunk([], "abort", len(prompt), cached))
                     return
                 crash = self.behaviour.crash_after_tokens
-                if crash is not None and k - start >= crash:
+                if crash is not None and k - start >= crash and self.behaviour.take_fault():
                     raise ConnectionResetError("injected crash")
                 if self.behaviour.token_delay_s:
                     await asyncio.sleep(self.behaviour.token_delay_s)
