@@ -43,6 +43,7 @@ class DecodeRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            simulated=parts.simulated_transfer,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)
 

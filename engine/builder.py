@@ -21,7 +21,9 @@ from tandem.engine.model_path import resolve_model_path
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
 from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
+from tandem.engine.runner import StepRunner
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.sim.cost_model import TransferCost
 
 
 @dataclass(slots=True)
@@ -39,7 +41,9 @@ class EngineParts:
     pool: BlockPool
     kv: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepRunner
+    # Simulated workers (``--simulate``): KV transfers wait this profiled time, move no bytes.
+    simulated_transfer: TransferCost | None = None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -86,14 +90,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"max_model_len={max_model_len}; raise num_blocks or lower max_model_len"
         )
     layout = one.with_num_blocks(num_blocks)
-    pool = BlockPool(num_blocks, enable_caching=cache.enable_prefix_caching)
-    kv = KVCacheManager(pool, bs, cache.enable_prefix_caching)
-    sched_cfg = config.scheduler
-    if sched_cfg.max_model_len != max_model_len:
-        sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    pool, kv, scheduler = build_scheduler(config, layout, max_model_len)
     runner = ModelRunner(model, backend, layout, device)
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
-        _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
+        _capture_graphs(runner, scheduler.config.max_num_seqs, max_model_len)
     return EngineParts(
         config=config,
         model_path=model_path,
@@ -105,9 +105,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         layout=layout,
         pool=pool,
         kv=kv,
-        scheduler=Scheduler(sched_cfg, kv),
+        scheduler=scheduler,
         runner=runner,
     )
+
+
+def build_scheduler(
+    config: EngineConfig, layout: KVLayout, max_model_len: int
+) -> tuple[BlockPool, KVCacheManager, Scheduler]:
+    """The block pool, KV cache manager and scheduler over ``layout.num_blocks`` blocks (shared
+    by the real and the simulated builder)."""
+    cache = config.cache
+    pool = BlockPool(layout.num_blocks, enable_caching=cache.enable_prefix_caching)
+    kv = KVCacheManager(pool, layout.block_size, cache.enable_prefix_caching)
+    sched_cfg = config.scheduler
+    if sched_cfg.max_model_len != max_model_len:
+        sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    return pool, kv, Scheduler(sched_cfg, kv)
 
 
 def _kv_budget(cache: CacheConfig, device: torch.device) -> int:

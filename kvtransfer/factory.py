@@ -9,6 +9,7 @@ import zmq.asyncio
 
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.role import Role
+from tandem.engine.sim.cost_model import TransferCost
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.metrics import KVTransferMetrics
 from tandem.kvtransfer.tcp_transport import TcpRecvTransport, TcpSendTransport
@@ -31,6 +32,7 @@ def create_connector(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     advertise_host: str | None = None,
     engine_id: str | None = None,
+    simulated: TransferCost | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
@@ -43,6 +45,9 @@ def create_connector(
     ``role`` prefill serves pulls, decode pulls, colocated does both. ``engine_id`` is the
     worker's one engine id (a fresh one when omitted): decode refuses a pull whose params name
     another, so a restarted prefill is never read as its predecessor.
+    ``simulated`` (simulated workers): the real side channel over the ``sim`` data path, each
+    pull waiting the profiled time of ``transport`` for its bytes; ``kv_cache`` may be a meta
+    tensor.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -52,7 +57,13 @@ def create_connector(
     zctx = zmq.asyncio.Context.instance()
     wants_send = role_enum in (Role.PREFILL, Role.COLOCATED)
     wants_recv = role_enum in (Role.DECODE, Role.COLOCATED)
-    if transport == "tcp":
+    if simulated is not None:
+        from tandem.kvtransfer.sim_transport import SimRecvTransport, SimSendTransport
+
+        simulated.seconds(transport, 0)  # ValueError now if the profile lacks this transport
+        send = SimSendTransport(lambda n: simulated.seconds(transport, n)) if wants_send else None
+        recv = SimRecvTransport() if wants_recv else None
+    elif transport == "tcp":
         send = TcpSendTransport(zctx) if wants_send else None
         recv = TcpRecvTransport(zctx) if wants_recv else None
     elif transport == "ucx":

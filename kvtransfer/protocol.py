@@ -23,7 +23,8 @@ MAX_MESSAGE_BYTES = 1 << 20  # a 2**16-block pull is ~400 KiB of msgpack; anythi
 MAX_RENEW_IDS = 4096
 MAX_TEXT_LEN = 1024
 MAX_XFER_ID = (1 << 43) - 1  # UCX tags are xfer_id << 20 | segment, kept below bit 63
-TRANSPORTS = ("ucx", "tcp")
+# "sim": simulated workers (sim_transport.py), which must never pair with real ones.
+TRANSPORTS = ("ucx", "tcp", "sim")
 
 
 class MsgType(StrEnum):

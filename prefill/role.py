@@ -36,6 +36,7 @@ class PrefillRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            simulated=parts.simulated_transfer,
         )
         return PrefillHooks(self.connector)
 

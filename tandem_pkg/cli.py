@@ -13,6 +13,8 @@ commands:
   decode     a decode worker
   colocated  a worker that prefills and decodes (no disaggregation)
   operator   the Kubernetes operator
+  profile    measure step and KV transfer times on this machine (for plan and --simulate)
+  plan       pick the prefill:decode split for a workload and latency targets
 
 `tandem <command> --help` for its options."""
 
@@ -43,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.up import main as up_main
 
         return up_main(rest)
+    if cmd == "profile":
+        from tandem.profile import main as profile_main
+
+        return profile_main(rest)
+    if cmd == "plan":
+        from tandem.planner.cli import main as plan_main
+
+        return plan_main(rest)
     if cmd == "operator":
         from tandem.operator.cli import main as operator_main
 

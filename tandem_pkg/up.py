@@ -47,6 +47,7 @@ class UpConfig:
     engine_options: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
+    simulate: str | None = None  # a profile: every worker simulated (tandem.engine.sim)
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,6 +97,8 @@ def build_specs(
         )  # fmt: skip
         for opt in cfg.engine_options:
             argv += ("--engine-option", opt)
+        if cfg.simulate is not None:
+            argv += ("--simulate", cfg.simulate)
         specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}"))
     return specs
 
@@ -289,7 +292,9 @@ def _can_serve(supervisor: Supervisor, router: ProcessSpec) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem up", description="Run router and workers locally")
-    p.add_argument("--model", default="demo", help="'demo' (default) or a local HF directory")
+    p.add_argument("--model", default=None,
+                   help="'demo' (default, or the profile's model with --simulate) or a local HF "
+                   "directory")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers; 0 = colocated")
@@ -306,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed to every worker (repeatable)")  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    p.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                   help="simulated workers from a `tandem profile`: no weights, the profiled "
+                   "step and KV transfer times, everything else real")  # fmt: skip
     return p
 
 
@@ -317,15 +325,27 @@ def parse_config(argv: list[str]) -> UpConfig:
         raise SystemExit(
             "tandem up: --local-prefill-threshold and --prefill-overload-queue must be >= 0"
         )
-    if a.model != "demo" and not Path(a.model).is_dir():
-        raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
+    simulate = None
+    if a.simulate is not None:
+        from tandem.engine.sim.profile import load_profile
+
+        try:
+            profile = load_profile(a.simulate)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"tandem up: --simulate {a.simulate}: {exc}") from None
+        simulate = str(Path(a.simulate).resolve())
+        if a.model is None:
+            a.model = profile.model.name
+    model = a.model or "demo"
+    if model != "demo" and not Path(model).is_dir():
+        raise SystemExit(f"tandem up: model directory {model!r} does not exist")
     return UpConfig(
-        model=a.model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
+        model=model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         kv_transport=a.kv_transport, api_key=a.api_key,
         local_prefill_threshold=a.local_prefill_threshold,
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
-        log_dir=a.log_dir,
+        log_dir=a.log_dir, simulate=simulate,
     )  # fmt: skip
 
 
@@ -351,6 +371,8 @@ def main(argv: list[str]) -> int:
     specs = build_specs(cfg, iter(free_port, None))
     mode = (f"{cfg.prefill} prefill + {cfg.decode} decode" if cfg.prefill
             else f"{cfg.decode} colocated")  # fmt: skip
+    if cfg.simulate is not None:
+        mode += f" simulated (profile {cfg.simulate})"
     print(f"tandem up: starting router and {mode} worker(s) for model {cfg.model!r}; "
           f"logs in {log_dir}", flush=True)  # fmt: skip
 

@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tandem.engine.builder import build_engine_parts
 from tandem.engine.engine import Engine
 from tandem.engine.outputs import EngineOutput
+from tandem.engine.sim.builder import build_simulated_parts
 from tandem.engine.worker.protocol import BadRequest, encode_chunk, parse_generate_request
 from tandem.engine.worker.registration import Registrar
 from tandem.engine.worker.role import WorkerRole
@@ -44,7 +45,11 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def build() -> WorkerService:
-            return WorkerService(config, role, build_engine_parts(config.engine))
+            if config.simulate is not None:
+                parts = build_simulated_parts(config.engine, config.simulate)
+            else:
+                parts = build_engine_parts(config.engine)
+            return WorkerService(config, role, parts)
 
         service = await asyncio.to_thread(build)
         service.start()

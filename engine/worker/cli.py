@@ -16,7 +16,7 @@ from tandem.engine.role import Role
 from tandem.engine.worker.role import WorkerRole
 
 
-def _engine_option(text: str) -> tuple[str, Any]:
+def engine_option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--engine-option takes key=value, got {text!r}")
@@ -54,10 +54,17 @@ def parser(role: Role) -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-option",
         action="append",
-        type=_engine_option,
+        type=engine_option,
         default=[],
         metavar="KEY=VALUE",
         help="any engine option, e.g. max_num_seqs=64 (repeatable)",
+    )
+    p.add_argument(
+        "--simulate",
+        default=None,
+        metavar="PROFILE.json",
+        help="a simulated worker: the real scheduler, cache and protocols, the profiled step and "
+        "KV transfer times from `tandem profile`, no weights (--model gives the tokenizer)",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -83,12 +90,21 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"invalid engine option: {exc}") from None
+    profile = None
+    if args.simulate is not None:
+        from tandem.engine.sim.profile import load_profile
+
+        try:
+            profile = load_profile(args.simulate)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--simulate {args.simulate}: {exc}") from None
     config = WorkerConfig(
         engine=engine_config,
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
         router_url=args.router_url,
+        simulate=profile,
     )
     uvicorn.run(
         create_app(config, role),

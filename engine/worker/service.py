@@ -16,6 +16,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.engine.request import Request
+from tandem.engine.sim.profile import Profile
 from tandem.engine.worker.engine_thread import EngineThread
 from tandem.engine.worker.kv_publisher import KVEventPublisher
 from tandem.engine.worker.metrics import worker_registry
@@ -31,6 +32,8 @@ class WorkerConfig:
     advertise_host: str | None = None  # the address others reach us at (pod IP in Kubernetes)
     router_url: str | None = None
     heartbeat_interval_s: float = 1.0
+    # ``--simulate``: no weights; the profiled step and KV transfer times (tandem.engine.sim).
+    simulate: Profile | None = None
 
 
 class WorkerService:
@@ -78,6 +81,7 @@ class WorkerService:
             "max_model_len": self.engine.max_model_len,
             "num_blocks": self.engine.layout.num_blocks,
             "kv_events_endpoint": self.events_endpoint,
+            "simulated": self.config.simulate is not None,
             **self.role.info(),
         }
 
