@@ -87,7 +87,9 @@ def fit_linear(
     return LinearModel(features, tuple(float(c) for c in coef))
 
 
-def relative_errors(model: LinearModel, xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+def relative_errors(
+    model: LinearModel, xs: Sequence[Sequence[float]], ys: Sequence[float]
+) -> list[float]:
     """|predicted - measured| / measured for every point (fit quality, stored in the profile)."""
     return [abs(model.predict(x) - y) / y for x, y in zip(xs, ys, strict=True)]
 

@@ -233,7 +233,9 @@ def profile_from_dict(data: Any) -> Profile:
         max_num_seqs=_int(e, "max_num_seqs", "engine"),
     )
     if engine.block_size & (engine.block_size - 1):
-        raise ValueError(f"profile: engine.block_size must be a power of two, got {engine.block_size}")
+        raise ValueError(
+            f"profile: engine.block_size must be a power of two, got {engine.block_size}"
+        )
     st = _get(data, "step", "")
     if _get(st, "features", "step") != list(STEP_FEATURES):
         raise ValueError(f"profile: step.features must be {list(STEP_FEATURES)}")

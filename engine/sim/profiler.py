@@ -80,7 +80,10 @@ def default_grid(
     mixed = []
     q_mid = qs[len(qs) // 2]
     for b in (4, 16):
-        if b <= max_num_seqs and b * (ctxs[0] + 32) // block_size + q_mid // block_size < num_blocks:
+        if (
+            b <= max_num_seqs
+            and b * (ctxs[0] + 32) // block_size + q_mid // block_size < num_blocks
+        ):
             mixed.append((b, ctxs[0], q_mid))
     return StepGrid(tuple(prefill), tuple(decode), tuple(mixed))
 
@@ -149,7 +152,9 @@ class StepProfiler:
         while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
             self.engine.step()
 
-    def _point(self, label: str, samples: list[tuple[list[tuple[int, int]], float, float]]) -> StepPoint:
+    def _point(
+        self, label: str, samples: list[tuple[list[tuple[int, int]], float, float]]
+    ) -> StepPoint:
         rows = samples[len(samples) // 2][0]
         groups: dict[tuple[int, int], int] = {}
         for row in rows:
