@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=int, default=16)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx"])
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS")
+    p.add_argument(
+        "--policy", default="prefix-aware", choices=["prefix-aware", "least-load", "round-robin"]
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument(
@@ -168,6 +171,7 @@ def main(argv: list[str]) -> int:
             max_num_seqs=args.max_num_seqs,
             local_prefill_threshold=args.local_prefill_threshold,
             kv_transport=args.kv_transport,
+            policy=args.policy,
         )
         if args.isl + 1 > profile.model.max_model_len:
             raise ValueError(

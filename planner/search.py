@@ -44,8 +44,9 @@ class Candidate:
 
     @property
     def itl_ratio(self) -> float:
-        v = self.result.itl.p90
-        return math.inf if math.isnan(v) else v / self.slo.itl_p90
+        if self.result.itl.count == 0:  # one-token answers: no inter-token latency to miss
+            return 0.0
+        return self.result.itl.p90 / self.slo.itl_p90
 
     @property
     def meets(self) -> bool:
