@@ -142,6 +142,8 @@ def query_for(spec: TandemServiceSpec, rate: float) -> PlanQuery:
         kv_transport=spec.kv_transport,
         local_prefill_threshold=spec.router.local_prefill_threshold,
         policy=spec.router.policy,
+        # A prefill pool that must keep workers cannot become colocated.
+        min_prefill=min(a.prefill.min_replicas, a.prefill.max_replicas + a.decode.max_replicas - 1),
     )
 
 

@@ -45,6 +45,7 @@ class PlanQuery:
     kv_transport: str
     local_prefill_threshold: int
     policy: str
+    min_prefill: int = 0
 
     def argv(self, profile_path: str) -> list[str]:
         """Arguments after `tandem` (the caller adds the interpreter)."""
@@ -55,7 +56,9 @@ class PlanQuery:
             "--itl-p90", repr(self.itl_p90), "--prefix-share", repr(self.prefix_share),
             "--max-workers", str(self.max_workers), "--kv-transport", self.kv_transport,
             "--local-prefill-threshold", str(self.local_prefill_threshold),
-            "--policy", self.policy, "--json",
+            "--policy", self.policy, "--min-prefill", str(self.min_prefill),
+            # The autoscaler's own signals are the router's histograms: plan in that view.
+            "--slo-view", "router", "--json",
         ]  # fmt: skip
 
 

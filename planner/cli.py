@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated requests per candidate (default: 60 s of traffic, 200..2000)",
     )
     p.add_argument("--max-workers", type=int, default=16)
+    p.add_argument(
+        "--min-prefill",
+        type=int,
+        default=0,
+        help="keep at least this many prefill workers (> 0: no colocated plans)",
+    )
+    p.add_argument(
+        "--slo-view",
+        default="client",
+        choices=["client", "router"],
+        help="judge TTFT/ITL as the client sees them (guidellm) or as the router's "
+        "histograms record them (the autoscaler's signals)",
+    )
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx"])
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS")
     p.add_argument(
@@ -88,7 +101,8 @@ def _line(c: Candidate) -> str:
     busy = ", ".join(f"{k} busy {p.utilization:.0%}" for k, p in r.pools.items())
     over = " (overloaded: queues grow without bound)" if r.overloaded else ""
     return (
-        f"TTFT p90 {r.ttft.p90:.3f} s, ITL p90 {r.itl.p90:.4f} s, e2e p90 {r.e2e.p90:.2f} s; "
+        f"TTFT p90 {c.slo.ttft(r).p90:.3f} s, ITL p90 {c.slo.itl(r).p90:.4f} s, "
+        f"e2e p90 {r.e2e.p90:.2f} s; "
         f"{busy}{over}"
     )
 
@@ -104,7 +118,7 @@ def render_text(plan: PlanResult, w: Workload, profile: Profile, wall: float) ->
     out = [
         f"tandem plan: {w.isl.mean}-token prompts, {w.osl.mean}-token answers, {w.rate:g} req/s "
         f"({w.arrival.name.lower()}), {w.prefix_share:.0%} shared prefix; "
-        f"SLO TTFT p90 <= {slo.ttft_p90:g} s, ITL p90 <= {slo.itl_p90:g} s",
+        f"SLO TTFT p90 <= {slo.ttft_p90:g} s, ITL p90 <= {slo.itl_p90:g} s ({slo.view} view)",
         f"profile: {profile.model.name} on {profile.engine.device} "
         f"({profile.created or 'undated'}); {len(plan.tried)} deployments simulated in "
         f"{wall:.1f} s ({w.num_requests} requests each)",
@@ -132,7 +146,8 @@ def render_text(plan: PlanResult, w: Workload, profile: Profile, wall: float) ->
         label = f"{d.decode} colocated" if d.colocated else f"{d.prefill}P{d.decode}D"
         mark = "yes" if c.meets else ("overload" if c.result.overloaded else "no")
         r = c.result
-        out.append(f"{d.workers:>7}  {label:<14} {r.ttft.p90:>9.3f} {r.itl.p90:>9.4f}  {mark}")
+        ttft, itl = c.slo.ttft(r).p90, c.slo.itl(r).p90
+        out.append(f"{d.workers:>7}  {label:<14} {ttft:>9.3f} {itl:>9.4f}  {mark}")
     return "\n".join(out)
 
 
@@ -144,9 +159,9 @@ def render_json(plan: PlanResult, w: Workload) -> dict:
         "prefill": d.prefill,
         "decode": d.decode,
         "colocated": d.colocated,
-        "predicted": predicted(chosen.result),
+        "predicted": predicted(chosen.result, plan.slo),
         "margin": chosen.to_dict()["margin"],
-        "slo": {"ttft_p90": plan.slo.ttft_p90, "itl_p90": plan.slo.itl_p90},
+        "slo": {"ttft_p90": plan.slo.ttft_p90, "itl_p90": plan.slo.itl_p90, "view": plan.slo.view},
         "workload": {
             "isl": w.isl.mean,
             "osl": w.osl.mean,
@@ -165,7 +180,7 @@ def main(argv: list[str]) -> int:
     try:
         profile = load_profile(args.profile)
         workload = workload_from(args)
-        slo = SLO(args.ttft_p90, args.itl_p90)
+        slo = SLO(args.ttft_p90, args.itl_p90, args.slo_view)
         base = Deployment(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
@@ -179,7 +194,8 @@ def main(argv: list[str]) -> int:
             )
         options = SimOptions(seed=args.seed, shared_cores=args.shared_cores)
         t0 = time.perf_counter()
-        plan = Planner(profile, workload, slo, base, options, args.max_workers).plan()
+        plan = Planner(profile, workload, slo, base, options, args.max_workers,
+                       min_prefill=args.min_prefill).plan()  # fmt: skip
     except (OSError, ValueError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,14 @@
 """What a simulation predicts: per-request times and their distributions, per-pool load.
 
-Latencies are the client's, defined as guidellm reports them: TTFT = first token - send;
-ITL = (last token - first token) / (tokens - 1), per request (so a request's ITL includes a
-P/D hand-off); end-to-end = last token - send. ``token_gap`` is the distribution of every gap
-between consecutive tokens (what the router's ``tandem_inter_token_latency_seconds`` records).
+Two views of the same run:
+
+- the client's, as guidellm reports it: TTFT = first token - send; ITL = (last token - first
+  token) / (tokens - 1), per request (so it includes a P/D hand-off); end-to-end = last - send;
+- the router's, as ``tandem_time_to_first_token_seconds`` and
+  ``tandem_inter_token_latency_seconds`` record it (and so the autoscaler judges it): in P/D the
+  TTFT waits for decode's first token (prefill, KV transfer, first decode step), and ITL is
+  every gap between decode tokens (the hand-off gap excluded).
+
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
 
@@ -26,6 +31,11 @@ class RequestTrace:
     num_cached_tokens: int = 0
     path: str = ""  # the placement's prefill decision: colocated, remote, local_*
     finished: bool = False
+    router_first: float | None = None  # first token not from a prefill hand-off
+
+    @property
+    def router_ttft(self) -> float | None:
+        return None if self.router_first is None else self.router_first - self.arrival
 
     @property
     def ttft(self) -> float | None:
@@ -99,7 +109,9 @@ class SimResult:
     ttft: Percentiles
     itl: Percentiles
     e2e: Percentiles
-    token_gap: Percentiles
+    token_gap: Percentiles  # every gap the client sees
+    router_ttft: Percentiles
+    router_itl: Percentiles  # every gap between decode tokens
     output_tokens_per_s: float
     pools: Mapping[str, PoolStats]
     paths: Mapping[str, int]
@@ -112,6 +124,8 @@ class SimResult:
             "requests": self.total, "completed": self.completed, "overloaded": self.overloaded,
             "duration_s": self.duration, "ttft_s": self.ttft.to_dict(), "itl_s": self.itl.to_dict(),
             "e2e_s": self.e2e.to_dict(), "token_gap_s": self.token_gap.to_dict(),
+            "router_ttft_s": self.router_ttft.to_dict(),
+            "router_itl_s": self.router_itl.to_dict(),
             "output_tokens_per_s": self.output_tokens_per_s,
             "pools": {name: {"workers": p.workers, "utilization": p.utilization,
                              "mean_kv_usage": p.mean_kv_usage, "max_kv_usage": p.max_kv_usage,
@@ -122,14 +136,28 @@ class SimResult:
         }  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Latencies:
+    ttft: Percentiles
+    itl: Percentiles
+    e2e: Percentiles
+    token_gap: Percentiles
+    router_ttft: Percentiles
+    router_itl: Percentiles
+
+
 def summarize_latencies(
-    traces: Sequence[RequestTrace], gaps: Sequence[float]
-) -> tuple[Percentiles, Percentiles, Percentiles, Percentiles]:
-    """TTFT, ITL, end-to-end over finished requests; an unfinished one counts as infinite
-    TTFT/e2e (so an overloaded deployment never looks good), and the token gaps."""
+    traces: Sequence[RequestTrace], gaps: Sequence[float], decode_gaps: Sequence[float]
+) -> Latencies:
+    """Both views over the traces: an unfinished request counts as infinite TTFT (if it has no
+    token yet) and end-to-end, so an overloaded deployment never looks good."""
     done = [t for t in traces if t.finished]
     inf = math.inf
     ttft = [t.ttft if t.ttft is not None else inf for t in traces]
+    router_ttft = [t.router_ttft if t.router_ttft is not None else inf for t in traces]
     e2e = [t.e2e if t.finished and t.e2e is not None else inf for t in traces]
     itl = [v for t in done if (v := t.itl) is not None]
-    return Percentiles.of(ttft), Percentiles.of(itl), Percentiles.of(e2e), Percentiles.of(gaps)
+    return Latencies(
+        Percentiles.of(ttft), Percentiles.of(itl), Percentiles.of(e2e), Percentiles.of(gaps),
+        Percentiles.of(router_ttft), Percentiles.of(decode_gaps),
+    )  # fmt: skip

@@ -17,19 +17,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.sim.profile import Profile
-from tandem.planner.metrics import SimResult
+from tandem.planner.metrics import Percentiles, SimResult
 from tandem.planner.simulator import Deployment, SimOptions, simulate
 from tandem.planner.workload import Workload
 
 
 @dataclass(frozen=True, slots=True)
 class SLO:
+    """p90 targets in seconds, judged in the client's view (guidellm's TTFT and per-request
+    ITL) or the router's (its TTFT and ITL histograms, which the autoscaler reads)."""
+
     ttft_p90: float
     itl_p90: float
+    view: str = "client"
 
     def __post_init__(self) -> None:
         if not (self.ttft_p90 > 0 and self.itl_p90 > 0):
             raise ValueError("SLO targets must be > 0 seconds")
+        if self.view not in ("client", "router"):
+            raise ValueError(f"the SLO view must be client or router, got {self.view!r}")
+
+    def ttft(self, r: SimResult) -> Percentiles:
+        return r.ttft if self.view == "client" else r.router_ttft
+
+    def itl(self, r: SimResult) -> Percentiles:
+        return r.itl if self.view == "client" else r.router_itl
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +52,14 @@ class Candidate:
 
     @property
     def ttft_ratio(self) -> float:
-        return self.result.ttft.p90 / self.slo.ttft_p90
+        return self.slo.ttft(self.result).p90 / self.slo.ttft_p90
 
     @property
     def itl_ratio(self) -> float:
-        if self.result.itl.count == 0:  # one-token answers: no inter-token latency to miss
+        itl = self.slo.itl(self.result)
+        if itl.count == 0:  # one-token answers: no inter-token latency to miss
             return 0.0
-        return self.result.itl.p90 / self.slo.itl_p90
+        return itl.p90 / self.slo.itl_p90
 
     @property
     def meets(self) -> bool:
@@ -65,7 +78,7 @@ class Candidate:
         return {
             "prefill": d.prefill, "decode": d.decode, "colocated": d.colocated,
             "workers": d.workers, "meets_slo": self.meets, "margin": _finite(self.margin),
-            "predicted": predicted(r),
+            "predicted": predicted(r, self.slo),
         }  # fmt: skip
 
 
@@ -73,11 +86,16 @@ def _finite(v: float) -> float | None:
     return None if math.isinf(v) or math.isnan(v) else round(v, 6)
 
 
-def predicted(r: SimResult) -> dict:
-    """The prediction fields of ``tandem plan --json`` (seconds; None where infinite)."""
+def predicted(r: SimResult, slo: SLO) -> dict:
+    """The prediction fields of ``tandem plan --json`` (seconds; None where infinite): TTFT and
+    ITL in the SLO's view, both views spelled out, and the pools' load."""
+    ttft, itl = slo.ttft(r), slo.itl(r)
     return {
-        "ttft_p90": _finite(r.ttft.p90), "ttft_p50": _finite(r.ttft.p50),
-        "itl_p90": _finite(r.itl.p90), "itl_p50": _finite(r.itl.p50),
+        "view": slo.view,
+        "ttft_p90": _finite(ttft.p90), "ttft_p50": _finite(ttft.p50),
+        "itl_p90": _finite(itl.p90), "itl_p50": _finite(itl.p50),
+        "client": {"ttft_p90": _finite(r.ttft.p90), "itl_p90": _finite(r.itl.p90)},
+        "router": {"ttft_p90": _finite(r.router_ttft.p90), "itl_p90": _finite(r.router_itl.p90)},
         "e2e_p90": _finite(r.e2e.p90), "output_tokens_per_s": round(r.output_tokens_per_s, 3),
         "overloaded": r.overloaded,
         "utilization": {k: round(p.utilization, 4) for k, p in r.pools.items()},
@@ -120,9 +138,14 @@ class Planner:
         options: SimOptions = SimOptions(),
         max_workers: int = 16,
         on_candidate: Callable[[Candidate], None] = lambda _c: None,
+        min_prefill: int = 0,
     ) -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be >= 1")
+        if min_prefill < 0 or min_prefill >= max_workers:
+            raise ValueError("min_prefill must be in [0, max_workers)")
+        # > 0: the deployment keeps a prefill pool (an operator's minReplicas): no colocated.
+        self.min_prefill = min_prefill
         self.profile = profile
         self.workload = workload
         self.slo = slo
@@ -159,6 +182,7 @@ class Planner:
 
     def search_disaggregated(self) -> Candidate | None:
         p, d = self.lower_bounds()
+        p = max(p, self.min_prefill)
         found = None
         while p + d <= self.max_workers:
             c = self.candidate(p, d)
@@ -177,7 +201,7 @@ class Planner:
             return None
         p, d = found.deployment.prefill, found.deployment.decode
         for dp, dd in ((-1, 0), (0, -1), (1, -1), (-1, 1)):
-            if p + dp >= 1 and d + dd >= 1:
+            if p + dp >= max(1, self.min_prefill) and d + dd >= 1:
                 c = self.candidate(p + dp, d + dd)
                 if c.meets and c.key() < found.key():
                     found = c
@@ -198,7 +222,7 @@ class Planner:
 
     def plan(self) -> PlanResult:
         dis = self.search_disaggregated() if self.max_workers >= 2 else None
-        colo = self.search_colocated()
+        colo = self.search_colocated() if self.min_prefill == 0 else None
         feasible = [c for c in (dis, colo) if c is not None]
         best = min(feasible, key=Candidate.key) if feasible else None
         tried = list(self._seen.values())

@@ -66,7 +66,8 @@ class SimRouter:
         self._owner: dict[str, str] = {}  # sub-request id -> client request id
         self._pending_decode: dict[str, tuple[SimWorker, WorkloadRequest]] = {}
         self._on_done = on_done
-        self.gaps: list[float] = []
+        self.gaps: list[float] = []  # every gap the client sees
+        self.decode_gaps: list[float] = []  # every gap after the router's first token
         self.placements: dict[str, int] = {}
 
     @property
@@ -154,7 +155,7 @@ class SimRouter:
         """Prefill finished: its first token streams to the client, its KV goes to decode."""
         self._inflight[worker.engine_id] -= 1
         rid = self._owner.pop(req.request_id)
-        self._token(rid, req, final=False)
+        self._token(rid, req, final=False, handoff=True)
         d, wr = self._pending_decode.pop(req.request_id)
         params = KVTransferParams.from_dict(wire)
 
@@ -180,7 +181,7 @@ class SimRouter:
         elif req.is_finished:
             self._finish(rid)
 
-    def _token(self, rid: str, req: Request, final: bool) -> None:
+    def _token(self, rid: str, req: Request, final: bool, handoff: bool = False) -> None:
         trace = self._traces[rid]
         if trace.num_tokens == 0:
             trace.num_cached_tokens = max(req.num_cached_tokens, 0)
@@ -191,6 +192,11 @@ class SimRouter:
                 trace.first_token = now
             else:
                 self.gaps.append(now - (trace.last_token or now))
+            if not handoff:
+                if trace.router_first is None:
+                    trace.router_first = now
+                elif trace.last_token is not None:
+                    self.decode_gaps.append(now - trace.last_token)
             trace.last_token = now
             trace.num_tokens += 1
             if final:

@@ -132,7 +132,7 @@ def run_simulation(
     loop.run(until=lambda: len(done) == len(reqs) or router.in_flight > bound)
     overloaded = len(done) < len(reqs)
     traces = list(done) + router.unfinished if overloaded else list(done)
-    ttft, itl, e2e, gaps = summarize_latencies(traces, router.gaps)
+    lat = summarize_latencies(traces, router.gaps, router.decode_gaps)
     duration = max((t.last_token or 0.0) for t in done) if done else loop.now
     pools: dict[str, list[SimWorker]] = {}
     for w in workers:
@@ -142,10 +142,12 @@ def run_simulation(
         completed=len(done),
         overloaded=overloaded,
         duration=duration,
-        ttft=ttft,
-        itl=itl,
-        e2e=e2e,
-        token_gap=gaps,
+        ttft=lat.ttft,
+        itl=lat.itl,
+        e2e=lat.e2e,
+        token_gap=lat.token_gap,
+        router_ttft=lat.router_ttft,
+        router_itl=lat.router_itl,
         output_tokens_per_s=sum(t.num_tokens for t in done) / duration if duration else 0.0,
         pools={name: _pool_stats(ws, duration) for name, ws in pools.items()},
         paths=dict(router.placements),

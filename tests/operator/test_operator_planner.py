@@ -169,8 +169,10 @@ def in_process_plan(rate: float) -> tuple[int, int]:
     """What `tandem plan` answers for the operator's query, planned in this process."""
     args = build_parser().parse_args(query_for(SPEC, rate).argv("unused")[1:])
     base = Deployment(local_prefill_threshold=0, kv_transport="tcp", policy="round-robin")
-    slo = SLO(args.ttft_p90, args.itl_p90)
-    best = Planner(PROFILE, workload_from(args), slo, base, max_workers=8).plan().best
+    slo = SLO(args.ttft_p90, args.itl_p90, args.slo_view)
+    assert (args.slo_view, args.min_prefill) == ("router", 1)
+    planner = Planner(PROFILE, workload_from(args), slo, base, max_workers=8, min_prefill=1)
+    best = planner.plan().best
     assert best is not None
     return best.deployment.prefill, best.deployment.decode
 
