@@ -11,7 +11,6 @@ transport's copies and threads do not share one interpreter.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ def measure_transfers(
     progress: Callable[[], None] = lambda: None,
     timeout_s: float = 120.0,
 ) -> list[TransferPoint]:
-    """One point per block count: the median of ``repeats`` pulls of that many blocks."""
+    """One point per block count: the lower quartile of ``repeats`` pulls of that many blocks."""
     import torch
 
     from tandem.kvtransfer.factory import create_connector
@@ -89,10 +88,8 @@ def measure_transfers(
         points = []
         for n in block_counts:
             samples = [pull(n) for _ in range(repeats)]
-            points.append(
-                TransferPoint(transport, n * layout.block_bytes, statistics.median(samples),
-                              tuple(samples))
-            )  # fmt: skip
+            low = sorted(samples)[(len(samples) - 1) // 4]  # as the step points: see profiler.py
+            points.append(TransferPoint(transport, n * layout.block_bytes, low, tuple(samples)))
             progress()
         return points
     finally:

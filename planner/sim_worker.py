@@ -66,6 +66,7 @@ class SimWorker:
         fabric: KVFabric,
         callbacks: WorkerCallbacks,
         slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
+        step_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -78,6 +79,7 @@ class SimWorker:
         self._tokens = token_ids
         self._cb = callbacks
         self._slowdown = slowdown
+        self._overhead = step_overhead  # the serving worker's own time per step (ServingCost)
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -140,7 +142,7 @@ class SimWorker:
         rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         if self.history is not None:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        seconds = self.cost.step_seconds(rows) * self._slowdown(self)
+        seconds = (self.cost.step_seconds(rows) + self._overhead) * self._slowdown(self)
         self.busy = True
         self.steps += 1
         self.busy_seconds += seconds

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated KV transports to time (default tcp,ucx)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests, smoke runs)")
+    p.add_argument("--no-serving", action="store_true",
+                   help="skip measuring the router's and worker shell's latencies through "
+                   "simulated workers (keeps the defaults)")  # fmt: skip
     return p
 
 
@@ -132,11 +135,28 @@ def main(argv: list[str]) -> int:
             "torch": torch.__version__, "python": platform.python_version(),
         },
     )  # fmt: skip
+    if not args.no_serving:
+        from dataclasses import replace
+
+        from tandem.calibrate import calibrate_serving
+
+        print("tandem profile: measuring serving latencies through simulated workers",
+              file=sys.stderr)  # fmt: skip
+        transport = min(profile.transfer.models, key=lambda t: t != "tcp")
+        try:
+            serving = calibrate_serving(profile, args.model, transport)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
+        profile = replace(profile, serving=serving)
     profile.save(args.output)
+    if fit["sample_spread"] > 0.5:
+        print(f"tandem profile: warning: step times vary a lot between repeats (spread "
+              f"{fit['sample_spread']:.1f}); other work is running: profile on a quiet machine",
+              file=sys.stderr)  # fmt: skip
     print(
         f"tandem profile: {len(points)} step points (execute fit: median error "
         f"{fit['execute_rel_error_p50']:.1%}, p90 {fit['execute_rel_error_p90']:.1%}), "
-        f"{len(transfer_points)} transfer points, {layout.num_blocks} KV blocks; "
-        f"wrote {args.output}"
+        f"{len(transfer_points)} transfer points, {layout.num_blocks} KV blocks, serving "
+        f"{profile.serving}; wrote {args.output}"
     )
     return 0

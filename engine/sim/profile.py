@@ -81,12 +81,16 @@ class ServingCost:
 
     ``request_seconds``: the router receives, tokenizes and places a request and the worker
     queues it; ``token_seconds``: a token from the engine thread to the client; ``handoff_seconds``:
-    a prefill's final output back through the router to the decode worker's queue.
+    a prefill's final output back through the router to the decode worker's queue;
+    ``step_seconds``: what a serving worker adds to each engine step (its thread's loop, KV event
+    publishing, streaming the outputs). Measured by ``tandem profile`` through simulated workers
+    (``tandem_pkg/calibrate.py``); these defaults are for a profile made without that stage.
     """
 
     request_seconds: float = 0.002
     token_seconds: float = 0.001
     handoff_seconds: float = 0.002
+    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,7 @@ class Profile:
             },
             "serving": {
                 "request_seconds": s.request_seconds, "token_seconds": s.token_seconds,
-                "handoff_seconds": s.handoff_seconds,
+                "handoff_seconds": s.handoff_seconds, "step_seconds": s.step_seconds,
             },
         }  # fmt: skip
 
@@ -287,7 +291,7 @@ def profile_from_dict(data: Any) -> Profile:
     serving = ServingCost(
         **{
             k: _seconds(sv.get(k, getattr(defaults, k)), f"serving.{k}")
-            for k in ("request_seconds", "token_seconds", "handoff_seconds")
+            for k in ("request_seconds", "token_seconds", "handoff_seconds", "step_seconds")
         }
     )
     fit = st.get("fit") or {}

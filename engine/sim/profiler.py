@@ -11,7 +11,11 @@ into each shape of the grid:
   timed decode steps;
 - mixed ``(batch, ctx, q)``: those decodes plus a fresh ``q``-token prompt in the same step.
 
-Every timed step records the rows the scheduler really made, so the fit uses true shapes.
+Every timed step records the rows the scheduler really made, so the fit uses true shapes. A
+point's time is the lower quartile of its samples: another process can only make a step slower,
+never faster, so on a busy machine the quartile stays near the step's own cost while a median
+follows the interference (the profile records the spread, and ``tandem profile`` warns when it
+is large: profile on a quiet machine).
 """
 
 from __future__ import annotations
@@ -162,8 +166,8 @@ class StepProfiler:
         return StepPoint(
             label=label,
             rows=tuple((q, c, n) for (q, c), n in sorted(groups.items())),
-            execute_seconds=statistics.median(s[1] for s in samples),
-            host_seconds=statistics.median(s[2] for s in samples),
+            execute_seconds=lower_quartile([s[1] for s in samples]),
+            host_seconds=lower_quartile([s[2] for s in samples]),
             samples=tuple(s[1] for s in samples),
         )
 
@@ -213,6 +217,24 @@ class StepProfiler:
         return points
 
 
+def lower_quartile(values: list[float]) -> float:
+    v = sorted(values)
+    return v[(len(v) - 1) // 4]
+
+
+def spread(points: Iterable[StepPoint]) -> float:
+    """Median over points of (upper - lower quartile) / lower quartile of the samples: ~0.1 on
+    a quiet machine, above 1 when other work keeps preempting the engine."""
+    ratios = []
+    for p in points:
+        v = sorted(p.samples)
+        if len(v) >= 2 and v[(len(v) - 1) // 4] > 0:
+            ratios.append(
+                (v[(3 * (len(v) - 1)) // 4] - v[(len(v) - 1) // 4]) / v[(len(v) - 1) // 4]
+            )
+    return statistics.median(ratios) if ratios else 0.0
+
+
 def fit_step_models(
     points: Iterable[StepPoint],
 ) -> tuple[LinearModel, LinearModel, dict[str, float]]:
@@ -228,5 +250,6 @@ def fit_step_models(
         "execute_rel_error_p90": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
         "execute_rel_error_max": errs[-1],
         "points": float(len(pts)),
+        "sample_spread": spread(pts),
     }
     return execute, host, fit
