@@ -9,6 +9,8 @@ and the predicted-vs-measured plot to ``--out``.
 
     python benchmarks/plan_validation.py                       # demo + random-512, ~45 min
     python benchmarks/plan_validation.py --models demo --quick # a smoke run, ~5 min
+    python benchmarks/plan_validation.py --simulated-workers   # the simulator against
+        # `tandem up --simulate` on the same profile: the router, HTTP and scheduling model alone
 
 Run it on a quiet machine: every number is a wall-clock latency.
 """
@@ -92,7 +94,9 @@ def profile_model(model: str, out: Path, quick: bool) -> Path:
 class Up:
     """A real `tandem up` for one run; the context exit stops its whole process group."""
 
-    def __init__(self, model: str, prefill: int, decode: int, log_dir: Path) -> None:
+    def __init__(
+        self, model: str, prefill: int, decode: int, log_dir: Path, simulate: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +104,7 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--prefill", str(prefill),
              "--decode", str(decode), "--kv-transport", "tcp", "--port", str(self.port),
-             "--log-dir", str(log_dir)],
+             "--log-dir", str(log_dir)] + (["--simulate", str(simulate)] if simulate else []),
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=log_dir,
         )  # fmt: skip
         self.want = prefill + decode
@@ -135,7 +139,7 @@ def _p90(values: list[float]) -> float:
 
 
 def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
-              cores: int) -> list[Row]:  # fmt: skip
+              cores: int | None, simulated: bool) -> list[Row]:  # fmt: skip
     profile = load_profile(profile_path)
     rows = []
     shapes = workloads(profile.model.max_model_len)
@@ -155,11 +159,14 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                     Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=4),
                     profile.model.sim_token_ids, 99, profile.model.max_model_len,
                 )  # fmt: skip
-                with Up(model, p, d, out / "logs" / f"{wname}-{lname}-{dname}") as up:
+                logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}"
+                with Up(model, p, d, logs, profile_path if simulated else None) as up:
                     replay(up.url, model, warm)  # tandem up serves --model under that name
                     measured: list[Measured] = replay(up.url, model, reqs)
                 dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
-                sim = simulate(profile, w, dep, SimOptions(seed=0, shared_cores=cores))
+                # Simulated workers wait their steps: they share no cores in the simulator.
+                shared = None if simulated else cores
+                sim = simulate(profile, w, dep, SimOptions(seed=0, shared_cores=shared))
                 ok = [m for m in measured if m.error is None]
                 row = Row(
                     model=Path(model).name, workload=wname, load=lname, rate=rate,
@@ -245,6 +252,11 @@ def main() -> None:
         help="cores the workers share (the simulator's shared_cores)",
     )
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
+    ap.add_argument(
+        "--simulated-workers",
+        action="store_true",
+        help="run `tandem up --simulate` on each profile instead of the real model",
+    )
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-validation-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +269,8 @@ def main() -> None:
 
             model = write_random_llama(hidden=512, layers=4)
         profile = Path(given[name]) if name in given else profile_model(model, out, args.quick)
-        rows += run_model(model, profile, out, args.duration, args.quick, args.cores)
+        rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
+                          args.simulated_workers)  # fmt: skip
     (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")
     plot(rows, out / "plan_validation.png")

@@ -9,8 +9,10 @@ the requests in flight pass ``SimOptions.max_in_flight`` (the queues are growing
 the unfinished requests then count as infinite TTFT). Deterministic for a seed.
 
 ``SimOptions.shared_cores``: the workers share one machine's CPU cores (``tandem up`` on a CPU
-host): a step that starts while more workers are busy than there are cores takes longer by
-that ratio. Off (None) for a deployment where each worker has its own accelerator.
+host, each worker's step using the profile's ``torch_threads``): a step that starts while the
+busy workers want more threads than there are cores takes longer by that ratio. Off (None) for
+a deployment where each worker has its own accelerator, and for simulated workers (their steps
+wait; they do not compute).
 """
 
 from __future__ import annotations
@@ -77,13 +79,13 @@ class Simulation:
     router: SimRouter
 
 
-def _slowdown(cores: int | None, workers: list[SimWorker]):  # noqa: ANN202 - a callable
+def _slowdown(cores: int | None, threads: int, workers: list[SimWorker]):  # noqa: ANN202
     if cores is None:
         return lambda _w: 1.0
 
     def factor(_w: SimWorker) -> float:
         busy = 1 + sum(1 for w in workers if w.busy)
-        return max(1.0, busy / cores)
+        return max(1.0, busy * threads / cores)
 
     return factor
 
@@ -111,7 +113,9 @@ def run_simulation(
     roles = [Role.PREFILL] * dep.prefill
     roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
     workers: list[SimWorker] = []
-    slowdown = _slowdown(options.shared_cores, workers)
+    threads = profile.hardware.get("torch_threads", 1)
+    threads = threads if type(threads) is int and threads > 0 else 1
+    slowdown = _slowdown(options.shared_cores, threads, workers)
     num_blocks = dep.num_blocks or e.num_blocks
     counts: dict[Role, int] = {}
     for i, role in enumerate(roles):
