@@ -1,8 +1,10 @@
 """Incremental detokenizer with stop strings (DESIGN.md §3, "Output").
 
-The engine creates one :class:`IncrementalDetokenizer` per output sequence and calls
-:meth:`~IncrementalDetokenizer.append` with each step's new token ids, then streams
-``text_delta`` to the client. Two things are held back from the stream:
+Text is made where output leaves the serving system, as in vLLM v1's output processor: the
+router for served requests and the offline ``LLM`` (both through ``output_processor.py``), never
+the engine's step. One :class:`IncrementalDetokenizer` per output sequence is fed each new token
+id with :meth:`~IncrementalDetokenizer.append`, and ``text_delta`` goes to the client. Two things
+are held back from the stream:
 
 - text whose last character is an incomplete multi-byte UTF-8 sequence (the decode ends in
   U+FFFD): it is emitted once a later token completes it;
@@ -19,20 +21,37 @@ streaming could not reproduce it.
 Stop strings: the stop is the first match to *complete* in the output text (smallest end
 offset; among matches ending together, the longest). This depends only on the text, never on how
 tokens were grouped into ``append`` calls. The output is cut before the stop string, or after it
-with ``include_stop_str_in_output``.
+with ``include_stop_str_in_output``. The check costs O(stop length) per token at worst, never
+O(output) (``stop_strings.StopMatcher``); only the held-back tail is kept, not the output text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from transformers import PreTrainedTokenizerBase
+from tandem.engine.stop_strings import StopMatcher
 
-from tandem.engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextParams(Protocol):
+    """The sampling fields that shape the text (``SamplingParams`` and the router's
+    ``output_processor.TextOptions`` have them)."""
+
+    @property
+    def stop(self) -> Sequence[str]: ...
+
+    @property
+    def include_stop_str_in_output(self) -> bool: ...
+
+    @property
+    def skip_special_tokens(self) -> bool: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +67,7 @@ class DetokenizerStep:
 
 
 class IncrementalDetokenizer:
-    """Per-sequence streaming detokenizer; owned by the engine's per-request output state.
+    """Per-sequence streaming detokenizer; owned by the sequence's output processor.
 
     Invariant: ``text`` is always the concatenation of every ``text_delta`` returned so far
     (plus what :meth:`finish` returned). After a stop string matched or :meth:`finish` was
@@ -59,26 +78,28 @@ class IncrementalDetokenizer:
         self,
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: TextParams,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self._stops = list(params.stop)
+        self._matcher = StopMatcher(params.stop) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         # Only the prompt's tail is ever decoded; keep just that as context.
         context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._decoded = ""  # complete decoded output text, before any stop cut
-        self._text = ""  # text emitted so far
+        self._pending = ""  # decoded text held back (a stop string may still claim it)
+        self._emitted: list[str] = []  # the deltas returned so far
         self._stop_str: str | None = None
         self._finished = False
 
     @property
     def text(self) -> str:
         """All output text emitted so far (the concatenation of the returned deltas)."""
-        return self._text
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     @property
     def stop_str(self) -> str | None:
@@ -102,12 +123,13 @@ class IncrementalDetokenizer:
         self._ids.extend(int(t) for t in token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = ""
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
-            self._decoded += new_text[len(prefix_text) :]
+            delta = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._trim_ids()
-        return self._emit(final=False)
+        return self._emit(delta, final=False)
 
     def finish(self) -> str:
         """Flush held-back text when the sequence ends for another reason (EOS, length, abort).
@@ -121,8 +143,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        self._decoded += new_text[len(prefix_text) :]
-        return self._emit(final=True).text_delta
+        return self._emit(new_text[len(prefix_text) :], final=True).text_delta
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
@@ -136,48 +157,29 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
 
-    def _emit(self, *, final: bool) -> DetokenizerStep:
-        """Cut at a completed stop string, else release all text that cannot start one."""
-        already = len(self._text)
-        stop = self._find_stop(already)
-        if stop is not None:
-            start, s = stop
-            end = start + len(s) if self._include_stop else start
-            delta = self._decoded[already:end]
-            self._text += delta
+    def _emit(self, new: str, *, final: bool) -> DetokenizerStep:
+        """Cut at a completed stop string, else release all text that cannot start one.
+
+        A match always starts in the held-back text or in ``new``: everything emitted earlier
+        was, when emitted, not a prefix of any stop string.
+        """
+        buf = self._pending + new
+        hit = self._matcher.feed(new) if self._matcher is not None and new else None
+        if hit is not None:
+            end, s = hit
+            upto = len(self._pending) + end
+            delta = buf[:upto] if self._include_stop else buf[: upto - len(s)]
             self._stop_str = s
             self._finished = True
-            return DetokenizerStep(delta, s)
-        safe = len(self._decoded) if final else len(self._decoded) - self._stop_prefix_len()
-        delta = self._decoded[already:safe]
-        self._text += delta
+            self._pending = ""
+            return self._out(delta, s)
+        keep = 0 if final or self._matcher is None else self._matcher.holdback
+        safe = len(buf) - keep
+        self._pending = buf[safe:]
         self._finished = final
-        return DetokenizerStep(delta, None)
+        return self._out(buf[:safe], None)
 
-    def _find_stop(self, emitted: int) -> tuple[int, str] | None:
-        """The first stop match to complete, searching only where a new match can lie."""
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for s in self._stops:
-            # Everything before `emitted` was checked already; a match may still start up to
-            # len(s) - 1 characters before it, in the held-back or already-emitted text.
-            idx = self._decoded.find(s, max(0, emitted - len(s) + 1))
-            if idx < 0:
-                continue
-            key = (idx + len(s), -len(s), s)
-            if best is None or key[:2] < best[:2]:
-                best = key
-        if best is None:
-            return None
-        end, neg_len, s = best
-        return end + neg_len, s
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self._decoded
-        longest = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+    def _out(self, delta: str, stop: str | None) -> DetokenizerStep:
+        if delta:
+            self._emitted.append(delta)
+        return DetokenizerStep(delta, stop)

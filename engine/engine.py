@@ -1,4 +1,8 @@
-"""Engine: the step loop tying Scheduler, ModelRunner and output processing together."""
+"""Engine: the step loop tying Scheduler, ModelRunner and the role hooks together.
+
+Its outputs are token ids: text and stop strings are made where output leaves the system
+(``output_processor.py``: the router, the offline ``LLM``), as in vLLM v1.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import torch
 
 from tandem.engine.builder import EngineParts, build_engine_parts
 from tandem.engine.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
@@ -44,7 +47,6 @@ class Engine:
         self.runner = parts.runner
         self.hooks: RoleHooks = hooks or ColocatedHooks()
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -132,15 +134,9 @@ class Engine:
 
     def enqueue(self, req: Request) -> None:
         """Queue a built request, after the role's ``on_admit`` accepted it (ValueError: nothing
-        is queued). A decode-side request (kv_transfer_params set) already holds the prefill's
-        first token; its detokenizer consumes it silently, because the prefill worker already
-        streamed that text from the same detokenizer state."""
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        if req.output_token_ids:
-            detok.append(req.output_token_ids)
+        is queued)."""
         self.hooks.on_admit(req)
         self._requests[req.request_id] = req
-        self._detok[req.request_id] = detok
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
@@ -184,21 +180,7 @@ class Engine:
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
         token = req.output_token_ids[-1]
         self.num_generation_tokens += 1
-        detok = self._detok[req.request_id]
-        step = detok.append([token])
-        text = step.text_delta
-        if step.stop_str is not None:
-            req.stop_reason = step.stop_str
-            if not req.is_finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            else:
-                # A stop string outranks length/EOS ending on the same token.
-                self.scheduler.release_pinned(req.request_id)
-                req.status = RequestStatus.FINISHED_STOPPED
-        elif req.is_finished and req.status != RequestStatus.FINISHED_REMOTE_DECODE:
-            # Remote decode: the decode worker's detokenizer continues from the same state.
-            text += detok.finish()
-        out = _output(req, [token], text, [logprobs] if logprobs is not None else [])
+        out = _output(req, [token], [logprobs] if logprobs is not None else [])
         if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
             self.hooks.on_handoff(req, out)
         if req.is_finished:
@@ -207,11 +189,10 @@ class Engine:
 
     def _final(self, req: Request) -> EngineOutput:
         self._forget(req)
-        return _output(req, [], "", [])
+        return _output(req, [], [])
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
 
     # ---- observability ------------------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:
@@ -235,16 +216,13 @@ class Engine:
         return cdiv(num_tokens, self.layout.block_size)
 
 
-def _output(
-    req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprobs]
-) -> EngineOutput:
+def _output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineOutput:
     """A request's step output: its delta plus its state (finish reason, counts, error)."""
     return EngineOutput(
         request_id=req.request_id,
         group_id=req.group_id,
         index=req.group_index,
         new_token_ids=tokens,
-        text_delta=text,
         finished=req.is_finished,
         finish_reason=req.status.finish_reason,
         stop_reason=req.stop_reason,

@@ -1,4 +1,9 @@
-"""The offline API: ``LLM(model="demo").generate(prompts, params)``."""
+"""The offline API: ``LLM(model="demo").generate(prompts, params)``.
+
+The engine's step streams token ids; ``generate`` makes the text between steps with one
+``SequenceOutput`` per sequence (the router's output processing, ``output_processor.py``) and
+aborts a sequence in the engine when one of its stop strings matches.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import Engine
+from tandem.engine.output_processor import SequenceOutput
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 
@@ -96,6 +102,7 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             batches.append(self.engine.make_requests(f"offline-{next(self._ids)}", prompt, p))
         results: dict[str, RequestOutput] = {}
+        texts: dict[str, SequenceOutput[TokenLogprobs]] = {}
         order = []
         for reqs in batches:
             gid = reqs[0].group_id
@@ -105,16 +112,27 @@ class LLM:
             )
             for req in reqs:
                 self.engine.enqueue(req)
+                texts[req.request_id] = SequenceOutput.create(
+                    self.engine.tokenizer, req.prompt_token_ids, req.params
+                )
         while self.engine.has_unfinished:
             for out in self.engine.step():
+                seq = texts[out.request_id]
+                if seq.finished:
+                    continue  # ended by a stop string; its abort is on the way
                 res = results[out.group_id]
                 comp = res.outputs[out.index]
-                comp.token_ids.extend(out.new_token_ids)
-                comp.text += out.text_delta
-                comp.logprobs.extend(out.logprobs)
-                if out.finished:
-                    comp.finish_reason = out.finish_reason
-                    comp.stop_reason = out.stop_reason
+                delta = seq.process(
+                    out.new_token_ids, out.logprobs, out.finish_reason, out.stop_reason
+                )
+                comp.token_ids.extend(delta.token_ids)
+                comp.text += delta.text
+                comp.logprobs.extend(delta.logprobs)
+                if delta.stopped_by_string and not out.finished:
+                    self.engine.abort([out.request_id])
+                if out.finished or delta.stopped_by_string:
+                    comp.finish_reason = delta.finish_reason or out.finish_reason
+                    comp.stop_reason = delta.stop_reason if delta.finish_reason else out.stop_reason
                     if out.index == 0:
                         res.num_cached_tokens = out.num_cached_tokens
         return [results[g] for g in order]

@@ -54,13 +54,13 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class EngineOutput:
-    """What one request produced in one step (a delta), or its end."""
+    """What one request produced in one step (a delta of token ids), or its end. Text is made
+    downstream (``output_processor.py``)."""
 
     request_id: str
     group_id: str
     index: int
     new_token_ids: list[int]
-    text_delta: str
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None

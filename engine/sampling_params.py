@@ -34,8 +34,11 @@ class SamplingParams:
 
     ``top_k`` of 0 or -1 disables top-k. ``logprobs`` is the number of top alternatives reported
     besides the chosen token (0: the chosen token only; None: no logprobs). ``stop`` accepts a
-    single string, normalized to a one-element list. Integer values of float fields are
-    normalized to float. Mutating an instance is allowed; call :meth:`validate` afterwards.
+    single string, normalized to a one-element list. ``stop``, ``include_stop_str_in_output``
+    and ``skip_special_tokens`` shape the text, which is made where output leaves the system
+    (``output_processor.py``: the router, the offline ``LLM``); the engine's step ignores them.
+    Integer values of float fields are normalized to float. Mutating an instance is allowed;
+    call :meth:`validate` afterwards.
     """
 
     n: int = 1

@@ -1,7 +1,9 @@
-"""Tandem's Triton kernels, each beside its PyTorch reference (``*_ref``).
+"""Tandem's Triton kernels and their PyTorch references (``*_ref``).
 
-Names resolve lazily so that ``import tandem.kernels`` does not import triton (an optional
-dependency on CPU-only installs) until a kernel is first used.
+The references live in :mod:`tandem.kernels.refs` (pure PyTorch; the CPU path runs on them) and
+are re-exported by each kernel's module. Names resolve lazily so that ``import tandem.kernels``
+does not import triton (an optional dependency on CPU-only installs) until a kernel is first used;
+the references and the rotary table never import it.
 """
 
 from __future__ import annotations
@@ -11,19 +13,21 @@ from typing import Any
 
 _EXPORTS = {
     "kv_cache_write": "kv_cache_write",
-    "kv_cache_write_ref": "kv_cache_write",
+    "kv_cache_write_ref": "refs",
+    "gather_seq_kv_ref": "refs",
+    "attention_ref": "refs",
     "paged_decode_attention": "decode_attention",
-    "paged_decode_attention_ref": "decode_attention",
+    "paged_decode_attention_ref": "refs",
     "paged_extend_attention": "extend_attention",
-    "paged_extend_attention_ref": "extend_attention",
+    "paged_extend_attention_ref": "refs",
     "rms_norm": "rms_norm",
-    "rms_norm_ref": "rms_norm",
+    "rms_norm_ref": "refs",
     "rotary_embedding": "rotary",
-    "rotary_embedding_ref": "rotary",
+    "rotary_embedding_ref": "refs",
     "compute_cos_sin_cache": "rope_cache",
     "compute_inv_freq": "rope_cache",
     "silu_and_mul": "activation",
-    "silu_and_mul_ref": "activation",
+    "silu_and_mul_ref": "refs",
     "greedy_sample": "sampling",
     "greedy_sample_ref": "sampling",
     "top_k_top_p_sample": "sampling",

@@ -10,6 +10,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.launch import FLOAT_DTYPES, check_dtype, check_launchable
+from tandem.kernels.refs import silu_and_mul_ref
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
 
 @triton.jit
@@ -48,10 +51,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x, out, x.stride(0), out.stride(0), inter, BLOCK=block
     )
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference of :func:`silu_and_mul` (fp32 math, one rounding)."""
-    inter = x.shape[1] // 2
-    xf = x.float()
-    return (torch.nn.functional.silu(xf[:, :inter]) * xf[:, inter:]).to(x.dtype)

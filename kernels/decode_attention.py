@@ -12,29 +12,21 @@ contexts. Any number of splits is correct for any lengths, so a CUDA graph may f
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.launch import (
-    FLOAT_DTYPES,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_launchable,
-    check_shape,
-)
+from tandem.kernels.paged_args import check_out, check_paged_attention_args, check_tile
 from tandem.kernels.paged_kv import (
+    LOG2E,
     NEG_BIG,
-    attention_ref,
     dot_precision,
-    gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
 )
+from tandem.kernels.refs import paged_decode_attention_ref
 
-LOG2E = math.log2(math.e)
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref"]
 
 
 @triton.jit
@@ -168,42 +160,6 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(by_occupancy, by_length, 32))
 
 
-def _check(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    name = "paged_decode_attention"
-    if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"{name}: q must be [B, Hq, D] and k_cache [blocks, block_size, Hkv, D]")
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"{name}: {num_heads} query heads not a multiple of {num_kv_heads}")
-    check_shape(name, "k_cache", k_cache, (*k_cache.shape[:3], head_dim))
-    check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
-    check_shape(name, "seq_lens", seq_lens, (num_seqs,))
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"{name}: block_tables must be [{num_seqs}, max_blocks]")
-    check_dtype(name, "q", q, FLOAT_DTYPES)
-    check_dtype(name, "k_cache", k_cache, (q.dtype,))
-    check_dtype(name, "v_cache", v_cache, (q.dtype,))
-    check_dtype(name, "block_tables", block_tables, (torch.int32, torch.int64))
-    check_dtype(name, "seq_lens", seq_lens, (torch.int32, torch.int64))
-    for what, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-    ):
-        check_last_dim_contiguous(name, what, t)
-    if not seq_lens.is_contiguous() or block_tables.stride(1) != 1:
-        raise ValueError(f"{name}: seq_lens and block_tables rows must be contiguous")
-    check_launchable(name, q, k_cache, v_cache, block_tables, seq_lens)
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -224,16 +180,15 @@ def paged_decode_attention(
     num_splits None picks by occupancy on CUDA (needs max_seq_len, a host int, to avoid a sync) and
     1 in the interpreter. block_n overrides the KV tile (a power of two >= 16).
     """
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    name = "paged_decode_attention"
+    check_paged_attention_args(name, q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
     else:
-        check_shape("paged_decode_attention", "out", out, tuple(q.shape))
-        check_dtype("paged_decode_attention", "out", out, (q.dtype,))
-        check_last_dim_contiguous("paged_decode_attention", "out", out)
+        check_out(name, out, q)
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -243,12 +198,11 @@ def paged_decode_attention(
         else:
             num_splits = 1
     if num_splits < 1:
-        raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+        raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
     if block_n is None:
         block_n = 64 if q.is_cuda and block_d <= 128 else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError("paged_decode_attention: block_n must be a power of two >= 16")
+    check_tile(name, "block_n", block_n)
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
@@ -301,23 +255,4 @@ def paged_decode_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
-    return out
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """PyTorch reference of :func:`paged_decode_attention` (gathers each sequence's KV)."""
-    out = torch.zeros_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
-        pos = torch.tensor([seq_len - 1], device=q.device)
-        out[i] = attention_ref(q[i : i + 1], k, v, pos, scale)[0].to(q.dtype)
     return out

@@ -15,29 +15,21 @@ unmasked loop; only the diagonal tiles are masked.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.launch import (
-    FLOAT_DTYPES,
-    check_dtype,
-    check_last_dim_contiguous,
-    check_launchable,
-    check_shape,
-)
+from tandem.kernels.paged_args import check_out, check_paged_attention_args, check_tile
 from tandem.kernels.paged_kv import (
+    LOG2E,
     NEG_BIG,
-    attention_ref,
     dot_precision,
-    gather_seq_kv_ref,
     load_paged_tile,
     softmax_update,
 )
+from tandem.kernels.refs import paged_extend_attention_ref
 
-LOG2E = math.log2(math.e)
+__all__ = ["paged_extend_attention", "paged_extend_attention_ref"]
 
 
 @triton.jit
@@ -133,46 +125,6 @@ def _paged_extend_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _check(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    name = "paged_extend_attention"
-    if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"{name}: q must be [T, Hq, D] and k_cache [blocks, block_size, Hkv, D]")
-    _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"{name}: {num_heads} query heads not a multiple of {num_kv_heads}")
-    num_seqs = seq_lens.shape[0]
-    check_shape(name, "k_cache", k_cache, (*k_cache.shape[:3], head_dim))
-    check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
-    check_shape(name, "seq_lens", seq_lens, (num_seqs,))
-    check_shape(name, "query_start_loc", query_start_loc, (num_seqs + 1,))
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"{name}: block_tables must be [{num_seqs}, max_blocks]")
-    check_dtype(name, "q", q, FLOAT_DTYPES)
-    check_dtype(name, "k_cache", k_cache, (q.dtype,))
-    check_dtype(name, "v_cache", v_cache, (q.dtype,))
-    for what, t in (
-        ("block_tables", block_tables),
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-    ):
-        check_dtype(name, what, t, (torch.int32, torch.int64))
-    for what, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, what, t)
-    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
-        raise ValueError(f"{name}: seq_lens and query_start_loc must be contiguous")
-    if block_tables.stride(1) != 1:
-        raise ValueError(f"{name}: block_tables rows must be contiguous")
-    check_launchable(name, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-
-
 def paged_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -193,7 +145,10 @@ def paged_extend_attention(
     length. Rows of q beyond query_start_loc[-1] are not written. Returns [T, Hq, D] in q's dtype
     (into out when given). block_m/block_n override the tiles (powers of two >= 16).
     """
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    name = "paged_extend_attention"
+    check_paged_attention_args(
+        name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc=query_start_loc
+    )
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -201,9 +156,7 @@ def paged_extend_attention(
     if out is None:
         out = torch.empty_like(q)
     else:
-        check_shape("paged_extend_attention", "out", out, tuple(q.shape))
-        check_dtype("paged_extend_attention", "out", out, (q.dtype,))
-        check_last_dim_contiguous("paged_extend_attention", "out", out)
+        check_out(name, out, q)
     if num_seqs == 0 or max_query_len <= 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
@@ -212,9 +165,8 @@ def paged_extend_attention(
     if block_n is None:
         block_n = 64 if q.is_cuda and block_d <= 128 else 32 if q.is_cuda else 16
     block_m = max(block_m, triton.next_power_of_2(group))
-    for what, b in (("block_m", block_m), ("block_n", block_n)):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"paged_extend_attention: {what} must be a power of two >= 16")
+    check_tile(name, "block_m", block_m)
+    check_tile(name, "block_n", block_n)
     tokens_per_tile = block_m // group
     grid = (triton.cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
     _paged_extend_kernel[grid](
@@ -246,26 +198,4 @@ def paged_extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
     )
-    return out
-
-
-def paged_extend_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """PyTorch reference of :func:`paged_extend_attention`; rows past the last query are zero."""
-    out = torch.zeros_like(q)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
-        k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
-        pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale).to(q.dtype)
     return out

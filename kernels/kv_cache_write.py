@@ -17,6 +17,9 @@ from tandem.kernels.launch import (
     check_launchable,
     check_shape,
 )
+from tandem.kernels.refs import kv_cache_write_ref
+
+__all__ = ["kv_cache_write", "kv_cache_write_ref"]
 
 
 @triton.jit
@@ -121,18 +124,3 @@ def kv_cache_write(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
-
-
-def kv_cache_write_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """PyTorch reference of :func:`kv_cache_write`."""
-    block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    k_cache[slots // block_size, slots % block_size] = k[valid]
-    v_cache[slots // block_size, slots % block_size] = v[valid]

@@ -1,5 +1,6 @@
-"""Pieces shared by the paged attention kernels: reading a KV tile through a block table, the
-online-softmax update, and the PyTorch gather used by the references.
+"""Triton pieces shared by the paged attention kernels: reading a KV tile through a block table
+and the online-softmax update. (Their PyTorch references, with the gather, are in
+:mod:`tandem.kernels.refs`.)
 
 A sequence's token at position p lives in physical block ``block_table[p // block_size]`` at offset
 ``p % block_size``. Kernels tile positions in BLOCK_N steps independent of block_size, so a tile may
@@ -8,6 +9,8 @@ span several blocks (block_size < BLOCK_N) or part of one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +18,8 @@ import triton.language as tl
 # Finite start for running maxima: a fully masked row then gives exp2(-inf - NEG_BIG) = 0, never
 # the NaN that exp2(-inf - -inf) would produce.
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+# The kernels work in the log2 domain (exp2 is cheaper than exp): scores are scaled by LOG2E.
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -53,34 +58,3 @@ def softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 attention must not drop to TF32 on tensor cores; 16-bit inputs keep the default."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def gather_seq_kv_ref(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather one sequence's first seq_len tokens into dense [seq_len, H, D] K and V (reference)."""
-    block_size = k_cache.shape[1]
-    pos = torch.arange(seq_len, device=k_cache.device)
-    blocks = block_table.long()[pos // block_size]
-    return k_cache[blocks, pos % block_size], v_cache[blocks, pos % block_size]
-
-
-def attention_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """fp32 causal attention of q [M, Hq, D] at absolute positions q_positions over dense k/v
-    [L, Hkv, D] at positions 0..L-1, with GQA by repeating KV heads. Returns [M, Hq, D] fp32."""
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("mhd,lhd->hml", q.float(), kf) * scale
-    allowed = torch.arange(k.shape[0], device=q.device)[None, :] <= q_positions[:, None]
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hml,lhd->mhd", torch.softmax(scores, dim=-1), vf)

@@ -1,6 +1,7 @@
 """Kernel 4: RMSNorm with the residual add fused in.
 
-Called by the model's norm layers on CUDA (the CPU path uses :func:`rms_norm_ref`'s arithmetic).
+Called by the model's norm layers on CUDA; the CPU path calls its reference,
+:func:`tandem.kernels.refs.rms_norm_ref`.
 Rounding follows Hugging Face LlamaRMSNorm: the residual sum is rounded to the model dtype, the
 normalisation runs in fp32 and is rounded to the model dtype, then multiplied by the weight.
 """
@@ -12,6 +13,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.launch import FLOAT_DTYPES, check_dtype, check_launchable, check_shape
+from tandem.kernels.refs import rms_norm_ref
+
+__all__ = ["rms_norm", "rms_norm_ref"]
 
 
 @triton.jit
@@ -94,19 +98,3 @@ def rms_norm(
         num_warps=min(16, max(1, block_h // 256)),
     )
     return out, residual_out
-
-
-def rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """PyTorch reference of :func:`rms_norm` (Hugging Face LlamaRMSNorm arithmetic)."""
-    new_residual = None
-    if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-        new_residual = x
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed.to(x.dtype).float() * weight.float()).to(x.dtype), new_residual

@@ -11,6 +11,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.launch import FLOAT_DTYPES, check_dtype, check_launchable, check_shape
+from tandem.kernels.refs import rotary_embedding_ref
+
+__all__ = ["rotary_embedding", "rotary_embedding_ref"]
 
 
 @triton.jit
@@ -111,20 +114,3 @@ def rotary_embedding(
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_R=triton.next_power_of_2(half),
     )
-
-
-def rotary_embedding_ref(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-) -> None:
-    """PyTorch reference of :func:`rotary_embedding` (in place, fp32 math)."""
-    half = cos_sin_cache.shape[1] // 2
-    cos_sin = cos_sin_cache[positions.long()].float()
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    for x in (q, k):
-        x1 = x[..., :half].float()
-        x2 = x[..., half : 2 * half].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x[..., : 2 * half] = rotated.to(x.dtype)

@@ -160,7 +160,7 @@ class SimWorker:
         self._track_usage()
         for req in changed:
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
-                final = EngineOutput(req.request_id, req.group_id, 0, [], "", True)
+                final = EngineOutput(req.request_id, req.group_id, 0, [], True)
                 self.hooks.on_handoff(req, final)
                 assert final.kv_transfer_params is not None
                 self._cb.on_handoff(self, req, final.kv_transfer_params)

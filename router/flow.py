@@ -10,6 +10,11 @@ Called by the app's handlers after validation and tokenization (once per request
    error, timeout or 5xx retry one other P, then fall back to local prefill on D; a 4xx goes back
    to the client. Then stream D with P's ``kv_transfer_params``.
 
+Workers stream token ids; each choice keeps one text state (``engine.output_processor``:
+detokenizer and stop strings) across its prefill and decode streams and turns their chunks into
+the client's text. A stop string ends the choice at the token that completed it and aborts the
+worker's sub-request (held-back text is never sent before a stop string is ruled out).
+
 ``stream_choices`` merges the choices' events. Closing it (client disconnect) cancels the tasks,
 and each sends ``abort`` to every worker still running its sub-request. n > 1 fans out n
 sub-requests of n=1, choice i seeded with seed + i, each placed on its own (prefix caching makes
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.hashing import HASH_ALGORITHM, BlockHash, hash_block_tokens
+from tandem.engine.output_processor import SequenceOutput, TextOptions
 from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError, no_workers
 from tandem.router.metrics import RouterMetrics
@@ -37,13 +43,12 @@ from tandem.router.placement import (
 )
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.registry import WorkerRegistry, WorkerState
+from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import (
     WorkerClient,
     WorkerRejected,
     WorkerUnavailable,
 )
-
-FINAL_REASONS = ("stop", "length")
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,13 +83,25 @@ class ChoiceJob:
     request_id: str
     index: int
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: dict[str, Any]  # SamplingParams wire form, as the workers get it
+    text: TextOptions = field(default_factory=TextOptions)  # applied here, to the token stream
     hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # per block size
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         if block_size not in self.hashes:
             self.hashes[block_size] = hash_block_tokens(self.prompt_token_ids, block_size)
         return self.hashes[block_size]
+
+
+def text_options(sampling: dict[str, Any]) -> TextOptions:
+    """What the router applies to a choice's token stream (stop strings, detokenization), from
+    its SamplingParams wire dict. The workers get the whole dict and ignore these fields, as
+    vLLM's engine core does."""
+    return TextOptions(
+        tuple(sampling.get("stop") or ()),
+        bool(sampling.get("include_stop_str_in_output", False)),
+        bool(sampling.get("skip_special_tokens", True)),
+    )
 
 
 class ChoiceFailed(Exception):
@@ -101,6 +118,7 @@ class FlowContext:
     client: WorkerClient
     metrics: RouterMetrics
     config: FlowConfig
+    encoder: PromptEncoder
     _aborts: set[asyncio.Task[bool]] = field(default_factory=set)
 
     def abort_soon(self, worker_url: str, request_id: str) -> None:
@@ -185,15 +203,47 @@ async def stream_choices(ctx: FlowContext, jobs: list[ChoiceJob]) -> AsyncIterat
         await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
+class _Choice:
+    """One choice's delivered output: its text state (``SequenceOutput``: detokenizer, stop
+    strings, tokens received) and the events handed to the client. It lives across the prefill
+    -> decode hand-off and across retries, so text continues exactly where it stopped."""
+
+    def __init__(self, ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEvent], None]):
+        self.job = job
+        self.out: SequenceOutput[Any] = SequenceOutput.create(
+            ctx.encoder.tokenizer, job.prompt_token_ids, job.text
+        )
+        self._emit = emit
+        self._vocab = ctx.encoder.vocab_size()
+
+    @property
+    def emitted(self) -> bool:
+        return self.out.num_tokens > 0
+
+    def deliver(self, chunk: dict[str, Any], handoff: bool = False) -> bool:
+        """Process one worker chunk and emit what the client gets; True once the choice ended
+        (the caller then stops reading the worker, which aborts it if it still runs)."""
+        token_ids, logprobs, reason = _chunk_fields(chunk, self._vocab)
+        delta = self.out.process(token_ids, logprobs or (), reason, chunk.get("stop_reason"))
+        cached = chunk.get("num_cached_tokens")
+        ev = TokenEvent(
+            choice=self.job.index,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            handoff=handoff and not self.out.finished,
+            logprobs=delta.logprobs if logprobs is not None else None,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            num_cached_tokens=cached if isinstance(cached, int) else None,
+        )
+        if ev.token_ids or ev.text or ev.finish_reason is not None:
+            self._emit(ev)
+        return self.out.finished
+
+
 async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEvent], None]) -> None:
+    choice = _Choice(ctx, job, emit)
     tried_d: set[str] = set()
-    emitted = False
-
-    def forward(ev: TokenEvent) -> None:
-        nonlocal emitted
-        emitted = emitted or bool(ev.token_ids) or bool(ev.text)
-        emit(ev)
-
     for _ in range(1 + ctx.config.decode_retries):
         picked = ctx.pick("decode", (Role.DECODE, Role.COLOCATED), job, tried_d)
         if picked is None:
@@ -214,7 +264,7 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
         kv_params: dict[str, Any] | None = None
         if decision.mode is PrefillMode.REMOTE:
             ctx.record("prefill", "remote")
-            outcome = await _remote_prefill(ctx, job, forward)
+            outcome = await _remote_prefill(ctx, choice)
             if outcome is _FINISHED:
                 return
             if outcome is None:
@@ -226,10 +276,10 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
         if kv_params is None:
             ctx.expect_new_blocks(d, d_choice, job)
         try:
-            await _decode(ctx, d, job, kv_params, forward)
+            await _decode(ctx, d, choice, kv_params)
             return
         except WorkerUnavailable as exc:
-            if emitted:
+            if choice.emitted:
                 raise ChoiceFailed(f"decode worker failed mid-stream: {exc}") from exc
     if not tried_d:
         raise no_workers("decode")
@@ -239,11 +289,10 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
 _FINISHED: dict[str, Any] = {}
 
 
-async def _remote_prefill(
-    ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEvent], None]
-) -> dict[str, Any] | None:
+async def _remote_prefill(ctx: FlowContext, choice: _Choice) -> dict[str, Any] | None:
     """Prefill on a P worker; returns its kv_transfer_params, ``_FINISHED`` when the request ended
     at the first token, or None when every attempt failed (fall back to local prefill)."""
+    job = choice.job
     tried: set[str] = set()
     for attempt in range(1 + ctx.config.prefill_retries):
         picked = ctx.pick("prefill", (Role.PREFILL,), job, tried)
@@ -254,25 +303,23 @@ async def _remote_prefill(
         ctx.record("prefill", p_choice.reason)
         ctx.expect_new_blocks(p, p_choice, job)
         body = _generate_body(job, f"p{attempt}", None, remote_decode=True)
-        emitted = False
         try:
             async with contextlib.aclosing(_worker_stream(ctx, p, body)) as chunks:
                 async for chunk in chunks:
-                    ev = _event(job.index, chunk)
-                    ev.handoff = chunk.get("finish_reason") == "remote_decode"
-                    if ev.token_ids or ev.text or ev.finish_reason in FINAL_REASONS:
-                        emitted = True
-                        emit(ev)
-                    if chunk.get("finish_reason") in FINAL_REASONS:
+                    reason = chunk.get("finish_reason")
+                    handoff = reason == "remote_decode"
+                    params = chunk.get("kv_transfer_params")
+                    if handoff and not isinstance(params, dict):
+                        raise WorkerUnavailable("prefill finished without kv_transfer_params")
+                    if choice.deliver(chunk, handoff=handoff):
+                        if handoff:  # a stop string ended it: free the blocks kept for decode
+                            ctx.abort_soon(p.info.url, body["request_id"])
                         return _FINISHED
-                    if chunk.get("finish_reason") == "remote_decode":
-                        params = chunk.get("kv_transfer_params")
-                        if not isinstance(params, dict):
-                            raise WorkerUnavailable("prefill finished without kv_transfer_params")
+                    if handoff:
                         return params
         except WorkerUnavailable as exc:
             ctx.metrics.prefill_failures.inc()
-            if emitted:
+            if choice.emitted:
                 raise ChoiceFailed(f"prefill worker failed after its first token: {exc}") from exc
         except WorkerRejected as exc:
             raise _client_error(exc) from None
@@ -280,17 +327,14 @@ async def _remote_prefill(
 
 
 async def _decode(
-    ctx: FlowContext,
-    d: WorkerState,
-    job: ChoiceJob,
-    kv_params: dict[str, Any] | None,
-    emit: Callable[[TokenEvent], None],
+    ctx: FlowContext, d: WorkerState, choice: _Choice, kv_params: dict[str, Any] | None
 ) -> None:
-    body = _generate_body(job, "d", kv_params, remote_decode=False)
+    body = _generate_body(choice.job, "d", kv_params, remote_decode=False)
     try:
         async with contextlib.aclosing(_worker_stream(ctx, d, body)) as chunks:
             async for chunk in chunks:
-                emit(_event(job.index, chunk))
+                if choice.deliver(chunk):
+                    return
     except WorkerRejected as exc:
         raise _client_error(exc) from None
 
@@ -356,22 +400,22 @@ async def _worker_stream(
         await asyncio.shield(stream.aclose())
 
 
-def _event(index: int, chunk: dict[str, Any]) -> TokenEvent:
+def _chunk_fields(
+    chunk: dict[str, Any], vocab: int
+) -> tuple[list[int], list[Any] | None, str | None]:
+    """A worker chunk's token ids, logprobs and finish reason; WorkerUnavailable if malformed."""
     token_ids = chunk.get("token_ids") or []
-    text = chunk.get("text") or ""
-    if not isinstance(token_ids, list) or not isinstance(text, str):
-        raise WorkerUnavailable("worker chunk has malformed token_ids or text")
+    logprobs = chunk.get("logprobs")
     reason = chunk.get("finish_reason")
-    cached = chunk.get("num_cached_tokens")
-    return TokenEvent(
-        choice=index,
-        text=text,
-        token_ids=token_ids,
-        logprobs=chunk.get("logprobs"),
-        finish_reason=reason if reason in FINAL_REASONS else None,
-        stop_reason=chunk.get("stop_reason"),
-        num_cached_tokens=cached if isinstance(cached, int) else None,
-    )
+    if not isinstance(token_ids, list) or not all(
+        type(t) is int and 0 <= t < vocab for t in token_ids
+    ):
+        raise WorkerUnavailable("worker chunk has malformed token_ids")
+    if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)):
+        raise WorkerUnavailable("worker chunk has malformed logprobs")
+    if reason is not None and not isinstance(reason, str):
+        raise WorkerUnavailable("worker chunk has a malformed finish_reason")
+    return token_ids, logprobs, reason
 
 
 def _client_error(exc: WorkerRejected) -> OpenAIError:

@@ -19,7 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError, bad_request, no_workers
-from tandem.router.flow import ChoiceFailed, ChoiceJob, TokenEvent, stream_choices
+from tandem.router.flow import (
+    ChoiceFailed,
+    ChoiceJob,
+    TokenEvent,
+    stream_choices,
+    text_options,
+)
 from tandem.router.metrics import RouterMetrics
 from tandem.router.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
 from tandem.router.sse import Kind, ResponseBuilder
@@ -155,7 +161,7 @@ def _make_jobs(
             sampling = req.to_sampling_dict(max_tokens, _engine_logprobs(req))
             if req.seed is not None:
                 sampling["seed"] = req.seed + j
-            jobs.append(ChoiceJob(request_id, len(jobs), ids, sampling))
+            jobs.append(ChoiceJob(request_id, len(jobs), ids, sampling, text_options(sampling)))
     return jobs, total_prompt
 
 

@@ -69,6 +69,7 @@ class RouterState:
             placer=Placer(config.policy),
             client=self.client,
             metrics=metrics,
+            encoder=encoder,
             config=FlowConfig(
                 local_prefill_threshold=config.local_prefill_threshold,
                 prefill_overload_queue=config.prefill_overload_queue,

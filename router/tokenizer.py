@@ -26,6 +26,11 @@ class PromptEncoder:
 
         return cls(AutoTokenizer.from_pretrained(str(model_path), local_files_only=True))
 
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (the flow's detokenizers decode with it)."""
+        return self._tok
+
     def encode_text(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 

@@ -12,6 +12,9 @@ model's compute:
   split 3:1 into ``request_seconds`` and ``token_seconds`` (a client sees only their sum);
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
+
+Each is a lower quartile over the requests, as the step times are (``engine/sim/profiler.py``):
+other work on the machine only ever adds to a latency.
 """
 
 from __future__ import annotations
@@ -110,6 +113,11 @@ def _run(profile_path: Path, model: str, prefill: int, transport: str, requests:
             proc.wait()
 
 
+def _low(values: list[float]) -> float:
+    v = sorted(values)
+    return v[(len(v) - 1) // 4]
+
+
 def calibrate_serving(
     profile: Profile, model: str, transport: str, requests: int = 12
 ) -> ServingCost:
@@ -125,12 +133,12 @@ def calibrate_serving(
         raise ValueError("the serving calibration got no complete answers")
     gaps = [t[i + 1] - t[i] for t in colocated for i in range(len(t) - 1)]
     decode = statistics.median(step.step_seconds([(1, ISL + i)]) for i in range(OSL))
-    step_overhead = max(0.0, statistics.median(gaps) - decode)
-    first = statistics.median(t[0] for t in colocated)
+    step_overhead = max(0.0, _low(gaps) - decode)
+    first = _low([t[0] for t in colocated])
     router = max(0.0, first - step.step_seconds([(ISL, 0)]) - step_overhead)
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
-    handoff_gap = statistics.median(t[1] - t[0] for t in pd)
+    handoff_gap = _low([t[1] - t[0] for t in pd])
     predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
     return ServingCost(
         request_seconds=round(router * 0.75, 6),

@@ -67,16 +67,3 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, heads, head_dim]."""
         ...
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """Resolve a backend by name: 'torch' (CPU and reference) or 'triton' (CUDA or interpreter)."""
-    if name == "torch":
-        from tandem.engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from tandem.engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")

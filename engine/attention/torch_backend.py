@@ -1,4 +1,9 @@
-"""The PyTorch attention backend: the CPU path and the reference the Triton backend is held to."""
+"""The PyTorch attention backend: the CPU path and the reference the Triton backend is held to.
+
+Writing and gathering paged KV use the kernels' references (:mod:`tandem.kernels.refs`, pure
+PyTorch); attention itself has CPU fast paths (SDPA for prefill chunks, grouped batched matmuls for
+decode) whose results the tests hold to ``attention_ref``.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.backend import AttentionMetadata
-
-
-def write_kv_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Scatter k/v [T, H, D] into the paged caches at slot_mapping; slots < 0 are padding."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] cache -> [length, H, D] for one sequence's block table."""
-    bs = cache.shape[1]
-    nblocks = -(-length // bs)
-    return cache[block_table[:nblocks]].reshape(nblocks * bs, *cache.shape[2:])[:length]
+from tandem.kernels.refs import gather_seq_kv_ref, kv_cache_write_ref
 
 
 class TorchAttentionBackend:
@@ -45,15 +27,14 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             end = start + qlen
-            keys = _gather(k_cache, meta.block_tables[i], slen)
-            vals = _gather(v_cache, meta.block_tables[i], slen)
+            keys, vals = gather_seq_kv_ref(k_cache, v_cache, meta.block_tables[i], slen)
             out[start:end] = self._attend(q[start:end], keys, vals, slen - qlen, scale)
             start = end
         return out

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention.backend import AttentionBackend, AttentionMetadata
-from tandem.engine.models.rotary import apply_rotary_ref, cos_sin_cache
+from tandem.kernels.refs import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from tandem.kernels.rope_cache import compute_cos_sin_cache as cos_sin_cache
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -81,7 +81,8 @@ class ModelArchConfig:
 
 
 class FusedOps:
-    """The model's pointwise ops; Triton kernels on CUDA when enabled, PyTorch otherwise."""
+    """The model's pointwise ops, called by every layer: Triton kernels on CUDA when enabled,
+    otherwise their PyTorch references (:mod:`tandem.kernels.refs`)."""
 
     def __init__(self, use_kernels: bool) -> None:
         self.use_kernels = use_kernels
@@ -95,26 +96,25 @@ class FusedOps:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.use_kernels:
             return self._k.rms_norm(x, weight, eps, residual)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype), residual
+        return rms_norm_ref(x, weight, eps, residual)
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q and k in place (both paths) and returns them."""
         if self.use_kernels:
             self._k.rotary_embedding(positions, q, k, cache)
-            return q, k
-        return apply_rotary_ref(positions, q, k, cache.to(q.dtype))
+        else:
+            # Rounded per op in the model dtype as in Hugging Face (the kernel rounds once from
+            # fp32); the two agree bit for bit in fp32.
+            rotary_embedding_ref(positions, q, k, cache, compute_dtype=q.dtype)
+        return q, k
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
             return self._k.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        # Per-op rounding in the model dtype, as in Hugging Face; see rotary.
+        return silu_and_mul_ref(x, compute_dtype=x.dtype)
 
 
 class RMSNorm(nn.Module):

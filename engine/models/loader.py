@@ -83,7 +83,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str, use_kernels: bool) -
 
 
 def _rope_for(cfg: ModelArchConfig) -> torch.Tensor:
-    from tandem.engine.models.rotary import cos_sin_cache
+    from tandem.kernels.rope_cache import compute_cos_sin_cache as cos_sin_cache
 
     return cos_sin_cache(
         cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling

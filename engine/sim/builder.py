@@ -1,9 +1,11 @@
 """``build_simulated_parts``: EngineParts for a simulated worker, from a profile, with no weights.
 
 The model directory still provides config.json (the architecture, checked against the
-profile's) and the tokenizer (the router and the detokenizer need it); the safetensors are never
-opened. The KV cache has the profile's layout and capacity (``num_blocks`` as measured, unless the
-engine options set it) but no memory; the scheduler, block pool and prefix cache are the real
+profile's) and, for string prompts given offline, tokenizer.json, read with the `tokenizers`
+library (workers receive token ids; importing transformers would cost each simulated worker ~80 MB
+and seconds of start-up); the safetensors are never opened. EOS ids come from the profile. The
+KV cache has the profile's layout and capacity (``num_blocks`` as measured, unless the engine
+options set it) but no memory; the scheduler, block pool and prefix cache are the real
 ones (``build_scheduler``). Called by the worker shell in place of ``build_engine_parts`` when a
 worker runs with ``--simulate``.
 """
@@ -11,8 +13,10 @@ worker runs with ``--simulate``.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from tandem.engine.builder import EngineParts, build_scheduler, eos_token_ids, load_tokenizer
+from tandem.engine.builder import EngineParts, build_scheduler, load_tokenizer
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.model_path import resolve_model_path
@@ -39,13 +43,30 @@ def check_model_matches(profile: Profile, arch: ModelArchConfig) -> None:
         raise ValueError("the profile was measured on another model: " + ", ".join(diffs))
 
 
+class TextEncoder:
+    """The part of a tokenizer a simulated worker's engine uses: encoding a string prompt."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def _encoder(model_path: Path) -> Any:
+    fast = model_path / "tokenizer.json"
+    return TextEncoder(fast) if fast.is_file() else load_tokenizer(model_path)
+
+
 def build_simulated_parts(config: EngineConfig, profile: Profile) -> EngineParts:
     """ValueError when the model directory does not match the profile or the cache is too small."""
     model_path = resolve_model_path(config.model)
     hf_config = read_hf_config(model_path)
     arch = ModelArchConfig.from_hf(hf_config)
     check_model_matches(profile, arch)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = _encoder(model_path)
     max_model_len = min(
         config.max_model_len or profile.model.max_model_len, arch.max_position_embeddings
     )
@@ -67,7 +88,7 @@ def build_simulated_parts(config: EngineConfig, profile: Profile) -> EngineParts
         hf_config=hf_config,
         arch=arch,
         tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids(model_path, hf_config, tokenizer),
+        eos_token_ids=frozenset(profile.model.eos_token_ids),
         max_model_len=max_model_len,
         layout=layout,
         pool=pool,

@@ -95,7 +95,6 @@ def encode_chunk(out: EngineOutput) -> bytes:
     body = {
         "index": out.index,
         "token_ids": out.new_token_ids,
-        "text": out.text_delta,
         "logprobs": [logprobs_to_wire(lp) for lp in out.logprobs] if out.logprobs else None,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,

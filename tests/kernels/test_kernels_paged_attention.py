@@ -3,6 +3,7 @@ on strided layer views of a block-major cache filled with random data."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -201,3 +202,35 @@ def test_wrappers_reject_bad_input_without_writing(monkeypatch: pytest.MonkeyPat
         with pytest.raises(ValueError, match="need CUDA tensors"):
             kv_cache_write(k, k, k_cache, v_cache, torch.tensor([1, 2]))
     assert torch.equal(kv_cache, before)
+
+
+def test_decode_and_extend_share_one_argument_checker() -> None:
+    """The same bad argument gets the same message from both wrappers (one checker)."""
+    heads = Heads(4, 2, 64, 16)
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = make_kv_cache(heads, 4, gen)
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    q = torch.randn((2, 4, 64), generator=gen)
+    tables = torch.zeros((2, 2), dtype=torch.int32)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def both(tables: torch.Tensor, lens: torch.Tensor, **kw: int) -> list[Callable[[], object]]:
+        return [
+            lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, **kw),
+            lambda: paged_extend_attention(q, k_cache, v_cache, tables, starts, lens, 1, 1.0, **kw),
+        ]
+
+    cases = [
+        (
+            both(tables, torch.tensor([3, 0, 4, 0], dtype=torch.int32)[::2]),
+            "seq_lens must be contiguous",
+        ),
+        (both(torch.zeros((2, 4), dtype=torch.int32)[:, ::2], lens), "block_tables rows must be"),
+        (both(tables, lens.float()), "seq_lens must have dtype"),
+        (both(tables, lens, block_n=24), "block_n must be a power of two"),
+    ]
+    for calls, message in cases:
+        for call in calls:
+            with pytest.raises(ValueError, match=message):
+                call()

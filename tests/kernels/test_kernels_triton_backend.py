@@ -1,12 +1,13 @@
 """TritonAttentionBackend.forward over a prefill step, a mixed step and a decode step, checked
-against the kernel references and against the cache contents the steps must leave behind."""
+against the kernel references and against the cache contents the steps must leave behind; the
+torch backend's CPU fast paths over the same steps against the same references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.engine.attention.backend import AttentionMetadata, get_backend
+from tandem.engine.attention import AttentionMetadata, get_backend
 from tandem.kernels.decode_attention import paged_decode_attention_ref
 from tandem.kernels.extend_attention import paged_extend_attention_ref
 
@@ -106,3 +107,35 @@ def test_backend_rejects_metadata_with_more_tokens_than_q() -> None:
     assert torch.equal(kv_cache, before)
     with pytest.raises(ValueError, match="decode_num_splits"):
         type(backend)(decode_num_splits=0)
+
+
+def test_torch_backend_fast_paths_match_the_references() -> None:
+    """SDPA prefill (with and without a cached prefix, GQA) and the grouped decode path."""
+    gen = torch.Generator().manual_seed(12)
+    backend = get_backend("torch")
+    assert backend.name == "torch"
+    kv_cache = torch.randn((NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HKV, D), generator=gen)
+    k_cache, v_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]
+    block_tables = torch.tensor([[7, 2, 9, 0], [4, 11, 6, 0], [1, 5, 3, 0]], dtype=torch.int32)
+    steps = [([17, 16, 1], [17, 16, 1]), ([1, 17, 33], [18, 33, 34]), ([1, 1, 1], [19, 34, 35])]
+    for query_lens, seq_lens in steps:
+        num_tokens = sum(query_lens)  # no padding rows: the torch backend runs without graphs
+        meta = make_meta(query_lens, seq_lens, block_tables, num_tokens)
+        qkv = torch.randn((num_tokens, HQ + 2 * HKV, D), generator=gen)
+        q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, SCALE)
+
+        slots = meta.slot_mapping
+        assert torch.equal(k_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE], k)
+        assert torch.equal(v_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE], v)
+        if meta.is_decode_only:
+            expected = paged_decode_attention_ref(
+                q, k_cache, v_cache, block_tables, meta.seq_lens, SCALE
+            )
+        else:
+            expected = paged_extend_attention_ref(
+                q, k_cache, v_cache, block_tables, meta.query_start_loc, meta.seq_lens, SCALE
+            )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)

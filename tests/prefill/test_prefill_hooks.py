@@ -47,7 +47,7 @@ def test_the_prompt_hands_off_with_its_blocks_pinned_and_published() -> None:
     assert sched.pinned == {"r": req} and req.block_ids == [0, 1, 2]
     assert sched.kv.pool.num_free_blocks == NUM_BLOCKS - 3
 
-    out = EngineOutput("r", "r", 0, [42], "", finished=True, finish_reason="remote_decode")
+    out = EngineOutput("r", "r", 0, [42], finished=True, finish_reason="remote_decode")
     hooks.on_handoff(req, out)
     assert conn.published == [("r", [0, 1, 2], 10, 42)]
     assert out.kv_transfer_params is not None

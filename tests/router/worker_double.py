@@ -1,6 +1,7 @@
 """Test doubles for the router tests: a byte-level tokenizer and a worker speaking the internal API.
 
 ``WorkerDouble`` implements docs/internal-api.md (generate, abort, kv_blocks, info, health),
+streaming token ids only (the router detokenizes),
 registers and heartbeats with a router, and publishes KV events over ZMQ. Its output is
 deterministic: output token k is the prompt's token at position -(k + 1 + seed) (cycling), so a test
 knows the exact answer; a prefill->decode handoff checks ``first_token_id`` against that rule.
@@ -206,25 +207,25 @@ class WorkerDouble:
         return app
 
     async def _generate(self, body: dict[str, Any]):  # noqa: ANN202 - async generator
+        """Token ids only, as a real worker streams them: the router makes text and applies
+        stop strings (a worker ignores ``stop``)."""
         rid, prompt = body["request_id"], body["prompt_token_ids"]
         sp = body["sampling_params"]
         kv = body.get("kv_transfer_params")
-        seed, max_tokens, stops = sp.get("seed"), sp["max_tokens"], sp.get("stop") or []
+        seed, max_tokens = sp.get("seed"), sp["max_tokens"]
         cached = self._store_prompt(prompt)
         start = 0
-        text_so_far = ""
         if kv is not None:
             expected = self.token_at(prompt, 0, seed)
             if kv["first_token_id"] != expected or kv["num_tokens"] != len(prompt):
                 yield _line(error_chunk("kv_transfer_params do not match the prompt"))
                 return
             start = 1
-            text_so_far = self.tokenizer.decode([expected])
         aborted = self._active[rid]
         try:
             for k in range(start, max_tokens):
                 if aborted.is_set():
-                    yield _line(chunk([], "", "abort", len(prompt), cached))
+                    yield _line(chunk([], "abort", len(prompt), cached))
                     return
                 crash = self.behaviour.crash_after_tokens
                 if crash is not None and k - start >= crash:
@@ -232,15 +233,6 @@ class WorkerDouble:
                 if self.behaviour.token_delay_s:
                     await asyncio.sleep(self.behaviour.token_delay_s)
                 tok = self.token_at(prompt, k, seed)
-                piece = self.tokenizer.decode([tok])
-                new_text = text_so_far + piece
-                stop_hit = next((s for s in stops if s in new_text), None)
-                if stop_hit is not None:
-                    cut = new_text.index(stop_hit)
-                    delta = new_text[len(text_so_far) : max(cut, len(text_so_far))]
-                    yield _line(chunk([tok], delta, "stop", len(prompt), cached, stop_hit))
-                    return
-                text_so_far = new_text
                 lps = None
                 if sp.get("logprobs") is not None:
                     top = [[tok, -0.25], [(tok + 1) % 256, -1.5]][: sp["logprobs"]]
@@ -256,13 +248,12 @@ class WorkerDouble:
                         "first_token_id": tok,
                         "lease_seconds": 30.0,
                     }
-                    c = chunk([tok], piece, "length" if last else "remote_decode", len(prompt),
-                              cached)  # fmt: skip
+                    c = chunk([tok], "length" if last else "remote_decode", len(prompt), cached)
                     c["logprobs"] = lps
                     c["kv_transfer_params"] = None if last else params
                     yield _line(c)
                     return
-                c = chunk([tok], piece, "length" if last else None, len(prompt), cached)
+                c = chunk([tok], "length" if last else None, len(prompt), cached)
                 c["logprobs"] = lps
                 yield _line(c)
         finally:
@@ -322,7 +313,6 @@ class WorkerDouble:
 
 def chunk(
     token_ids: list[int],
-    text: str,
     finish: str | None,
     num_prompt: int,
     cached: int,
@@ -330,7 +320,6 @@ def chunk(
 ) -> dict[str, Any]:
     return {
         "token_ids": token_ids,
-        "text": text,
         "logprobs": None,
         "finish_reason": finish,
         "stop_reason": stop_reason,
@@ -342,7 +331,7 @@ def chunk(
 
 
 def error_chunk(message: str) -> dict[str, Any]:
-    c = chunk([], "", "error", 0, 0)
+    c = chunk([], "error", 0, 0)
     c["error"] = {"message": message, "type": "internal_error", "code": None}
     return c
 

@@ -12,6 +12,7 @@ import pytest
 from procs import Proc, free_port, wait_healthy
 
 from tandem import LLM, SamplingParams
+from tandem.engine.output_processor import SequenceOutput
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
@@ -71,7 +72,8 @@ def test_info_and_health(workers: dict) -> None:
 
 def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path: Path) -> None:
     p = prompt(0, 37)
-    expected = LLM(str(llama_gqa_path), num_blocks=64).generate([p], SamplingParams(**GREEDY))
+    llm = LLM(str(llama_gqa_path), num_blocks=64)
+    expected = llm.generate([p], SamplingParams(**GREEDY))
     chunks = generate(
         workers["colocated"], {"request_id": "c1", "prompt_token_ids": p, "sampling_params": GREEDY}
     )
@@ -100,7 +102,9 @@ def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path
     )
     tokens = [t for c in first + rest for t in c["token_ids"]]
     assert tokens == expected[0].token_ids
-    text = "".join(c["text"] for c in first + rest)
+    # Workers stream token ids; text is made where output leaves the system (the router).
+    seq = SequenceOutput.create(llm.tokenizer, p, SamplingParams(**GREEDY))
+    text = "".join(seq.process(c["token_ids"], (), c["finish_reason"]).text for c in first + rest)
     assert text == expected[0].text
 
 
