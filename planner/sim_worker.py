@@ -6,7 +6,7 @@ role hooks (``ColocatedHooks``, ``PrefillHooks``, ``DecodeHooks`` over a ``SimCo
 profiled time passes) -> ``update`` -> outputs and hand-offs -> KV events. Steps run back to back
 while there is work, as on the engine thread; an idle worker sleeps until a request, a finished
 load or a release wakes it (after the engine thread's poll interval). Tokens come from
-``tandem.engine.sim.tokens.next_token``, as on a simulated worker process.
+``tandem.engine.sim.tokens.sample``, as on a simulated worker process.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from tandem.engine.config import SchedulerConfig
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.engine.outputs import EngineOutput, SchedulerOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.role import Role
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sim.cost_model import StepCost
-from tandem.engine.sim.tokens import next_token
+from tandem.engine.sim.tokens import sample
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_kv import KVFabric
 from tandem.prefill.hooks import PrefillHooks
@@ -149,14 +149,7 @@ class SimWorker:
         self.loop.after(seconds, lambda: self._finish(out))
 
     def _finish(self, out: SchedulerOutput) -> None:
-        result = ModelRunnerOutput()
-        for s in out.scheduled:
-            if s.sample:
-                req = s.request
-                result.sampled_token_ids[req.request_id] = next_token(
-                    req.all_token_ids, self._tokens
-                )
-        changed = self.scheduler.update(out, result)
+        changed = self.scheduler.update(out, sample(out, self._tokens))
         self._track_usage()
         for req in changed:
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:

@@ -3,7 +3,7 @@
 Everything around it is real (scheduler, block pool, prefix cache, KV events, role hooks, the
 worker shell); only the forward pass is replaced. ``execute`` measures nothing: it waits until
 ``execute_seconds(batch)`` after it was called, then returns one deterministic token per sampled
-row (``tokens.next_token``). Its ``kv_cache`` is a meta tensor with the real layout's shape and
+row (``tokens.sample``). Its ``kv_cache`` is a meta tensor with the real layout's shape and
 dtype: the KV connector can name and size block views over it, and no memory backs them.
 """
 
@@ -17,7 +17,7 @@ import torch
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.sim.cost_model import StepCost
-from tandem.engine.sim.tokens import next_token
+from tandem.engine.sim.tokens import sample
 
 
 class SimulatedRunner:
@@ -48,14 +48,7 @@ class SimulatedRunner:
         seconds = self.cost.execute_seconds(
             (s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled
         )
-        result = ModelRunnerOutput()
-        for s in out.scheduled:
-            if s.sample:
-                req = s.request
-                result.sampled_token_ids[req.request_id] = next_token(
-                    req.all_token_ids, self._tokens
-                )
-                result.logprobs[req.request_id] = None
+        result = sample(out, self._tokens)
         self.num_steps += 1
         self.simulated_seconds += seconds
         remaining = start + seconds - self._clock()

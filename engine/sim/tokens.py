@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
+
 _MASK = 0xFFFFFFFF
 
 
@@ -20,6 +22,18 @@ def next_token(token_ids: Sequence[int], choices: Sequence[int]) -> int:
     for t in token_ids[-4:]:
         h = ((h ^ t) * 0x01000193) & _MASK
     return choices[h % len(choices)]
+
+
+def sample(out: SchedulerOutput, choices: Sequence[int]) -> ModelRunnerOutput:
+    """A simulated step's result: ``next_token`` for every row the scheduler samples, no
+    logprobs (the simulated runner and the discrete-event simulator's workers both use it)."""
+    result = ModelRunnerOutput()
+    for s in out.scheduled:
+        if s.sample:
+            req = s.request
+            result.sampled_token_ids[req.request_id] = next_token(req.all_token_ids, choices)
+            result.logprobs[req.request_id] = None
+    return result
 
 
 def printable_token_ids(
