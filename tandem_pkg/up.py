@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -65,6 +66,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def worker_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A free port below the kernel's ephemeral range. A probed port is bound only when the
+    worker starts; meanwhile every starting child binds ephemeral ports of its own (KV events,
+    side channel, data sockets), and with dozens of workers one of those would take a port
+    handed out from that same range (seen with 32 simulated workers)."""
+    rng = rng or random.Random()
+    lo, _ = _ephemeral_range()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(10001, lo))
+        if _port_is_free(host, port):
+            return port
+    return free_port(host)
 
 
 def build_specs(
@@ -368,7 +391,7 @@ def main(argv: list[str]) -> int:
         return 1
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    specs = build_specs(cfg, iter(free_port, None))
+    specs = build_specs(cfg, iter(worker_port, None))
     mode = (f"{cfg.prefill} prefill + {cfg.decode} decode" if cfg.prefill
             else f"{cfg.decode} colocated")  # fmt: skip
     if cfg.simulate is not None:
