@@ -67,6 +67,7 @@ class SimWorker:
         callbacks: WorkerCallbacks,
         slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
         step_overhead: float = 0.0,
+        row_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -79,7 +80,9 @@ class SimWorker:
         self._tokens = token_ids
         self._cb = callbacks
         self._slowdown = slowdown
-        self._overhead = step_overhead  # the serving worker's own time per step (ServingCost)
+        # The serving worker's own time per step and per streamed sequence (ServingCost).
+        self._overhead = step_overhead
+        self._row_overhead = row_overhead
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -142,7 +145,8 @@ class SimWorker:
         rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         if self.history is not None:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        seconds = (self.cost.step_seconds(rows) + self._overhead) * self._slowdown(self)
+        serving = self._overhead + self._row_overhead * len(rows)
+        seconds = (self.cost.step_seconds(rows) + serving) * self._slowdown(self)
         self.busy = True
         self.steps += 1
         self.busy_seconds += seconds

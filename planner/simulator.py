@@ -124,7 +124,7 @@ def run_simulation(
         w = SimWorker(
             loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
             profile.model.sim_token_ids, fabric, router.callbacks, slowdown,
-            profile.serving.step_seconds,
+            profile.serving.step_seconds, profile.serving.row_seconds,
         )  # fmt: skip
         if options.record_history:
             w.history = []

@@ -1,15 +1,16 @@
-"""The serving stage of ``tandem profile``: what the router and the worker shell add around the
-engine's steps, measured through simulated workers running the profile just made.
+"""The serving stage of ``tandem profile``: what the router, the worker shell and the streams add
+around the engine's steps, measured through a real `tandem up` of the profiled model.
 
-Simulated workers (``tandem up --simulate``) run the real router, HTTP streams, worker shell and
-connector protocol, and wait the profile's execute time for each step; the scheduler's and
-outputs' host time is real too. So whatever a client measures beyond the profile's step model is
-the serving overhead the simulator must add (``ServingCost``), and it is measured without the
-model's compute:
+The step models say what ``Engine.step`` costs alone; serving adds the router's work on each
+request, a worker's own loop around each step, and the streaming of every token (worker ->
+router -> client), which on a machine where the router and workers share cores takes CPU from
+the steps themselves. Measured, with the profile's step model subtracted:
 
-- colocated, one request at a time: the gaps between tokens minus the predicted decode step are
+- colocated, one request at a time: the gap between tokens minus the predicted decode step is
   ``step_seconds``; the first token minus the predicted prefill step is the router's part,
   split 3:1 into ``request_seconds`` and ``token_seconds`` (a client sees only their sum);
+- colocated, ``CONCURRENT`` requests at once: the extra gap per additional stream in the batch
+  is ``row_seconds``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
 
@@ -23,12 +24,11 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,7 +37,7 @@ from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
 
-ISL, OSL = 32, 12
+ISL, OSL, CONCURRENT = 32, 12, 8
 
 
 def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
@@ -56,61 +56,59 @@ def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
     return times
 
 
-def _run(profile_path: Path, model: str, prefill: int, transport: str, requests: int,
-         tokens: tuple[int, ...], log_dir: Path) -> list[list[float]]:  # fmt: skip
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "up",
-        "--simulate",
-        str(profile_path),
-        "--model",
-        model,
-        "--prefill",
-        str(prefill),
-        "--decode",
-        "1",
-        "--kv-transport",
-        transport,
-        "--port",
-        str(port),
-        "--log-dir",
-        str(log_dir),
-    ]
-    with open(log_dir / f"up-{prefill}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=log_dir)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
+class _Up:
+    """A `tandem up` of the model for one measurement; exit stops its process group."""
+
+    def __init__(self, model: str, prefill: int, transport: str, options: Sequence[str],
+                 log_dir: Path) -> None:  # fmt: skip
+        self.url = f"http://127.0.0.1:{free_port()}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "up",
+            "--model",
+            model,
+            "--prefill",
+            str(prefill),
+            "--decode",
+            "1",
+            "--kv-transport",
+            transport,
+            "--port",
+            self.url.rsplit(":", 1)[1],
+            "--log-dir",
+            str(log_dir),
+        ]
+        for opt in options:
+            cmd += ["--engine-option", opt]
+        with open(log_dir / f"up-{prefill}.log", "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=log_dir)  # fmt: skip
+        self.want = prefill + 1
+
+    def __enter__(self) -> _Up:
+        deadline = time.monotonic() + 600
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the simulated tandem up exited ({proc.returncode})")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem up exited ({self.proc.returncode})")
             try:
-                workers = httpx.get(f"{url}/internal/workers", timeout=2).json()["workers"]
-                if len(workers) == prefill + 1:
-                    break
+                workers = httpx.get(f"{self.url}/internal/workers", timeout=2).json()["workers"]
+                if len(workers) == self.want:
+                    return self
             except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("the simulated tandem up did not start in 300 s")
+                raise RuntimeError("tandem up did not start in 600 s")
             time.sleep(0.3)
-        rng = random.Random(prefill)
-        out = []
-        for i in range(requests + 2):
-            times = _stream(url, model, rng.choices(tokens, k=ISL))
-            if i >= 2 and len(times) == OSL:  # the first two warm the path up
-                out.append(times)
-        return out
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
+
+    def __exit__(self, *exc: object) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
         try:
-            proc.wait(30)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 def _low(values: list[float]) -> float:
@@ -118,23 +116,48 @@ def _low(values: list[float]) -> float:
     return v[(len(v) - 1) // 4]
 
 
+def _complete(runs: list[list[float]]) -> list[list[float]]:
+    return [t for t in runs if len(t) == OSL]
+
+
 def calibrate_serving(
-    profile: Profile, model: str, transport: str, requests: int = 12
-) -> ServingCost:
-    """The profile's ServingCost measured on this machine; ValueError if nothing was measured."""
+    profile: Profile, model: str, transport: str, options: Sequence[str] = (),
+    requests: int = 12,
+) -> ServingCost:  # fmt: skip
+    """The profile's ServingCost measured on this machine; ValueError if nothing was measured.
+    ``options`` are the engine options (``key=value``) the workers run with."""
     step = profile.step
-    with tempfile.TemporaryDirectory(prefix="tandem-calibrate-") as tmp:
-        path = Path(tmp) / "profile.json"
-        replace(profile, serving=ServingCost(0.0, 0.0, 0.0, 0.0)).save(path)
-        tokens = profile.model.sim_token_ids
-        colocated = _run(path, model, 0, transport, requests, tokens, Path(tmp))
-        pd = _run(path, model, 1, transport, requests, tokens, Path(tmp))
-    if not colocated or not pd:
+    rng = random.Random(0)
+    tokens = profile.model.sim_token_ids
+
+    def prompt() -> list[int]:
+        return rng.choices(tokens, k=ISL)
+
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with _Up(model, 0, transport, options, log_dir) as up:
+        for _ in range(2):  # warm the path up
+            _stream(up.url, model, prompt())
+        alone = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            batch = []
+            for _ in range(3):
+                prompts = [prompt() for _ in range(CONCURRENT)]
+                batch += _complete(list(pool.map(lambda p: _stream(up.url, model, p), prompts)))
+    with _Up(model, 1, transport, options, log_dir) as up:
+        _stream(up.url, model, prompt())
+        pd = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
+    if not alone or not batch or not pd:
         raise ValueError("the serving calibration got no complete answers")
-    gaps = [t[i + 1] - t[i] for t in colocated for i in range(len(t) - 1)]
-    decode = statistics.median(step.step_seconds([(1, ISL + i)]) for i in range(OSL))
-    step_overhead = max(0.0, _low(gaps) - decode)
-    first = _low([t[0] for t in colocated])
+
+    def gaps(runs: list[list[float]]) -> list[float]:
+        return [t[i + 1] - t[i] for t in runs for i in range(1, len(t) - 1)]
+
+    decode1 = step.step_seconds([(1, ISL + OSL // 2)])
+    step_overhead = max(0.0, _low(gaps(alone)) - decode1)
+    decode_n = step.step_seconds([(1, ISL + OSL // 2)] * CONCURRENT)
+    per_row = (_low(gaps(batch)) - decode_n - step_overhead) / (CONCURRENT - 1)
+    first = _low([t[0] for t in alone])
     router = max(0.0, first - step.step_seconds([(ISL, 0)]) - step_overhead)
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
@@ -145,4 +168,5 @@ def calibrate_serving(
         token_seconds=round(router * 0.25, 6),
         handoff_seconds=round(max(0.0, handoff_gap - predicted), 6),
         step_seconds=round(step_overhead, 6),
+        row_seconds=round(max(0.0, per_row), 7),
     )

@@ -135,16 +135,20 @@ def main(argv: list[str]) -> int:
             "torch": torch.__version__, "python": platform.python_version(),
         },
     )  # fmt: skip
-    if not args.no_serving:
+    if not args.no_serving and (args.device, args.dtype) != ("cpu", "float32"):
+        print("tandem profile: `tandem up` runs workers on the CPU in float32 only: skipping the "
+              "serving stage (its defaults stay in the profile)", file=sys.stderr)  # fmt: skip
+    elif not args.no_serving:
         from dataclasses import replace
 
         from tandem.calibrate import calibrate_serving
 
-        print("tandem profile: measuring serving latencies through simulated workers",
-              file=sys.stderr)  # fmt: skip
+        del engine  # the workers of the serving stage load the model themselves
+        print("tandem profile: measuring serving latencies through tandem up", file=sys.stderr)
         transport = min(profile.transfer.models, key=lambda t: t != "tcp")
+        options = [f"{k}={v}" for k, v in args.engine_option]
         try:
-            serving = calibrate_serving(profile, args.model, transport)
+            serving = calibrate_serving(profile, args.model, transport, options)
         except (RuntimeError, ValueError, OSError) as exc:
             raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
         profile = replace(profile, serving=serving)

@@ -83,14 +83,17 @@ class ServingCost:
     queues it; ``token_seconds``: a token from the engine thread to the client; ``handoff_seconds``:
     a prefill's final output back through the router to the decode worker's queue;
     ``step_seconds``: what a serving worker adds to each engine step (its thread's loop, KV event
-    publishing, streaming the outputs). Measured by ``tandem profile`` through simulated workers
-    (``tandem_pkg/calibrate.py``); these defaults are for a profile made without that stage.
+    publishing); ``row_seconds``: what each sequence of a step adds by streaming its token
+    (worker -> router -> client: CPU taken from the steps where they share cores). Measured by
+    ``tandem profile`` through a real `tandem up` (``tandem_pkg/calibrate.py``); these defaults
+    are for a profile made without that stage.
     """
 
     request_seconds: float = 0.002
     token_seconds: float = 0.001
     handoff_seconds: float = 0.002
     step_seconds: float = 0.0
+    row_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,7 @@ class Profile:
             "serving": {
                 "request_seconds": s.request_seconds, "token_seconds": s.token_seconds,
                 "handoff_seconds": s.handoff_seconds, "step_seconds": s.step_seconds,
+                "row_seconds": s.row_seconds,
             },
         }  # fmt: skip
 
@@ -291,7 +295,13 @@ def profile_from_dict(data: Any) -> Profile:
     serving = ServingCost(
         **{
             k: _seconds(sv.get(k, getattr(defaults, k)), f"serving.{k}")
-            for k in ("request_seconds", "token_seconds", "handoff_seconds", "step_seconds")
+            for k in (
+                "request_seconds",
+                "token_seconds",
+                "handoff_seconds",
+                "step_seconds",
+                "row_seconds",
+            )  # fmt: skip
         }
     )
     fit = st.get("fit") or {}
