@@ -38,6 +38,7 @@ from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
 
 ISL, OSL, CONCURRENT = 32, 12, 8
+WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 
 
 def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
@@ -136,7 +137,7 @@ def calibrate_serving(
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     with _Up(model, 0, transport, options, log_dir) as up:
-        for _ in range(2):  # warm the path up
+        for _ in range(WARMUP):
             _stream(up.url, model, prompt())
         alone = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
         with ThreadPoolExecutor(CONCURRENT) as pool:
@@ -145,7 +146,8 @@ def calibrate_serving(
                 prompts = [prompt() for _ in range(CONCURRENT)]
                 batch += _complete(list(pool.map(lambda p: _stream(up.url, model, p), prompts)))
     with _Up(model, 1, transport, options, log_dir) as up:
-        _stream(up.url, model, prompt())
+        for _ in range(WARMUP):
+            _stream(up.url, model, prompt())
         pd = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
     if not alone or not batch or not pd:
         raise ValueError("the serving calibration got no complete answers")
