@@ -5,8 +5,9 @@
 Workload: prompt lengths uniform in [32, 512], output lengths uniform in [16, 256], greedy,
 EOS ignored so both sides generate exactly the requested lengths. HF runs left-padded static
 batches of --hf-batch-size (each batch generates until its longest request's length; tokens past
-a request's own length are not counted). Also reports the engine's scheduling + input-preparation
-time per step with --overhead-seqs running sequences.
+a request's own length are not counted). Also reports the engine thread's own time per step
+(scheduling, input preparation, output processing) with --overhead-seqs decoding sequences, as
+measured by benchmarks/step_roofline.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import argparse
 import json
 import platform
 import random
-import statistics
 import time
 
 import torch
+
+# --clock cpu: process CPU time, for shared machines where wall time mostly measures the other
+# jobs (both sides are then charged only for their own work). Quiet-machine figures use wall time.
+clock = time.perf_counter
 
 
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -34,9 +38,9 @@ def run_engine(model: str, reqs: list[tuple[list[int], int]], options: dict) -> 
 
     llm = LLM(model, **options)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
-    start = time.perf_counter()
+    start = clock()
     outs = llm.generate([p for p, _ in reqs], params)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     return elapsed, sum(len(o.token_ids) for o in outs)
 
 
@@ -44,7 +48,7 @@ def run_hf(path: str, reqs: list[tuple[list[int], int]], batch_size: int) -> tup
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    start = time.perf_counter()
+    start = clock()
     total = 0
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]
@@ -64,37 +68,7 @@ def run_hf(path: str, reqs: list[tuple[list[int], int]], batch_size: int) -> tup
                 pad_token_id=0,
             )
         total += sum(m for _, m in batch)
-    return time.perf_counter() - start, total
-
-
-def step_overhead(model: str, num_seqs: int, steps: int = 30) -> dict[str, float]:
-    """Time Scheduler.schedule() + ModelRunner.prepare() with num_seqs decoding sequences."""
-    from tandem import LLM, SamplingParams
-
-    llm = LLM(model, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * 64))
-    engine = llm.engine
-    rng = random.Random(1)
-    for i in range(num_seqs):
-        prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(64)]
-        engine.add_request(
-            f"o{i}", prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        )
-    while len(engine.scheduler.running) < num_seqs or engine.scheduler.waiting:
-        engine.step()
-    sched_prep, step_total = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = engine.scheduler.schedule()
-        inputs = engine.runner.prepare(out)
-        t1 = time.perf_counter()
-        result = engine.runner.execute(out, inputs)
-        engine.scheduler.update(out, result)
-        t2 = time.perf_counter()
-        sched_prep.append(t1 - t0)
-        step_total.append(t2 - t0)
-    engine.abort([f"o{i}" for i in range(num_seqs)])
-    sp, st = statistics.median(sched_prep), statistics.median(step_total)
-    return {"sched_prep_ms": sp * 1e3, "step_ms": st * 1e3, "fraction": sp / st}
+    return clock() - start, total
 
 
 def write_random_llama(hidden: int = 256, layers: int = 4) -> str:
@@ -135,9 +109,13 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--overhead-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    from tandem.engine.models.loader import read_hf_config, resolve_model_path
+    from tandem.engine.model_path import resolve_model_path
+    from tandem.engine.models.loader import read_hf_config
 
     if args.model == "random-llama":
         args.model = write_random_llama(args.hidden_size, args.num_layers)
@@ -148,9 +126,14 @@ def main() -> None:
     eng_s, eng_tok = run_engine(args.model, reqs, options)
     hf_s, hf_tok = run_hf(str(path), reqs, args.hf_batch_size)
     assert eng_tok == hf_tok, (eng_tok, hf_tok)
-    overhead = step_overhead(args.model, args.overhead_seqs)
+    import step_roofline
+    from step_roofline import engine_overhead
+
+    step_roofline.clock = clock
+    overhead = engine_overhead(args.model, args.overhead_seqs, steps=20)
     result = {
         "model": args.model,
+        "clock": args.clock,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",
         "requests": args.num_requests,
@@ -158,7 +141,7 @@ def main() -> None:
         "engine_tok_s": eng_tok / eng_s,
         "hf_tok_s": hf_tok / hf_s,
         "ratio": (eng_tok / eng_s) / (hf_tok / hf_s),
-        **{f"overhead_{k}": v for k, v in overhead.items()},
+        **{f"overhead_{k}": v for k, v in overhead.items() if k != "seqs"},
     }
     print(json.dumps(result, indent=2))
 

@@ -20,22 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 from replay_load import Measured, replay
 
+from tandem.calibrate import LocalUp
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles
 from tandem.planner.simulator import Deployment, SimOptions, simulate
 from tandem.planner.workload import Arrival, Lengths, Workload, generate
-from tandem.up import free_port
 
 DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
 
@@ -91,49 +88,6 @@ def profile_model(model: str, out: Path, quick: bool) -> Path:
     return path
 
 
-class Up:
-    """A real `tandem up` for one run; the context exit stops its whole process group."""
-
-    def __init__(
-        self, model: str, prefill: int, decode: int, log_dir: Path, simulate: Path | None = None
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_dir / "up.log", "wb")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--prefill", str(prefill),
-             "--decode", str(decode), "--kv-transport", "tcp", "--port", str(self.port),
-             "--log-dir", str(log_dir)] + (["--simulate", str(simulate)] if simulate else []),
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=log_dir,
-        )  # fmt: skip
-        self.want = prefill + decode
-
-    def __enter__(self) -> Up:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tandem up exited with {self.proc.returncode}")
-            try:
-                workers = httpx.get(f"{self.url}/internal/workers", timeout=2).json()["workers"]
-                if len(workers) == self.want:
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("tandem up did not become ready")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
 def _p90(values: list[float]) -> float:
     return Percentiles.of(values).p90
 
@@ -160,7 +114,12 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                     profile.model.sim_token_ids, 99, profile.model.max_model_len,
                 )  # fmt: skip
                 logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}"
-                with Up(model, p, d, logs, profile_path if simulated else None) as up:
+                logs.mkdir(parents=True, exist_ok=True)
+                args = ["--model", model, "--prefill", str(p), "--decode", str(d),
+                        "--kv-transport", "tcp"]  # fmt: skip
+                if simulated:
+                    args += ["--simulate", str(profile_path)]
+                with LocalUp(args, p + d, logs) as up:
                     replay(up.url, model, warm)  # tandem up serves --model under that name
                     measured: list[Measured] = replay(up.url, model, reqs)
                 dep = Deployment(prefill=p, decode=d, kv_transport="tcp")

@@ -1,15 +1,21 @@
 """Router overhead: latency a request gains by going through the router instead of straight to a
-worker's internal API. Reports p50/p99 of the added time to first token and end-to-end latency.
+worker's internal API. Reports p50/p99 of the added time to first token and end-to-end latency,
+with the cluster token on (as ``tandem router`` always runs) and off, measured in one run.
 
 Two modes:
-  * default: self-contained. Starts a fast worker double (streams tokens with no compute; it is
-    benchmark scaffolding, not product code) and a real router (``tandem router``) as processes
-    on loopback, then measures. Only the router's own cost remains in the difference.
+  * default: self-contained. Starts, on loopback, two pairs of a real router and a fast worker
+    double (streams tokens with no compute; benchmark scaffolding, not product code): one pair
+    with a cluster token (the router presents it on every worker call, the double checks it,
+    registration needs it), one without (the router app built with no token, as only
+    in-process use allows). Requests alternate between the pairs in rounds, so drift on a
+    shared machine hits both alike; only the router's own cost remains in each difference, and
+    ``auth_cost_*`` is the difference of the differences.
   * ``--router-url URL --worker-url URL``: against a running deployment (e.g. ``tandem up
-    --prefill 0``), where the worker is one colocated worker registered with that router.
+    --prefill 0``), where the worker is one colocated worker registered with that router;
+    ``TANDEM_CLUSTER_TOKEN`` must hold the deployment's token (it calls the worker directly).
 
     python benchmarks/router_overhead.py [--requests 300] [--max-tokens 16] [--concurrency 1]
-        [--json out.json]
+        [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -35,7 +42,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken, generate_token
 from tandem.engine.hashing import HASH_ALGORITHM
+from tandem.engine.internal_auth import ClusterAuth
 from tandem.router.tokenizer import _bytes_to_unicode
 
 PROMPT_TOKENS = list(range(97, 123)) * 3  # 78 byte-level tokens
@@ -43,7 +52,11 @@ PROMPT_TOKENS = list(range(97, 123)) * 3  # 78 byte-level tokens
 
 # -- fast worker double (subprocess) ---------------------------------------------------------------
 def serve_double(port: int, router_url: str, model: str) -> None:
+    """The worker double; with $TANDEM_CLUSTER_TOKEN it requires and presents the token."""
     import uvicorn
+
+    token = ClusterToken.load(None)
+    headers = token.headers() if token is not None else {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -52,6 +65,8 @@ def serve_double(port: int, router_url: str, model: str) -> None:
         task.cancel()
 
     app = FastAPI(lifespan=lifespan)
+    app.add_middleware(ClusterAuth, token=token,
+                       protects=lambda path: path.startswith("/v1/internal/"))  # fmt: skip
     engine_id = uuid.uuid4().hex
     info = {
         "engine_id": engine_id, "role": "colocated", "model": model,
@@ -87,7 +102,7 @@ def serve_double(port: int, router_url: str, model: str) -> None:
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
     async def heartbeats() -> None:
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(headers=headers) as c:
             registered = False
             while True:
                 try:
@@ -104,6 +119,17 @@ def serve_double(port: int, router_url: str, model: str) -> None:
                 await asyncio.sleep(0.5)
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def serve_router(port: int, internal_port: int, model: str, tokenizer: str) -> None:
+    """The real router app and both its listeners; the cluster token from the environment, or
+    none at all (the unauthenticated baseline ``tandem router`` itself refuses to run)."""
+    from tandem.router.app import RouterConfig, create_app
+    from tandem.router.cli import serve_both
+
+    cfg = RouterConfig(model=model, model_path=tokenizer, cluster_token=ClusterToken.load(None))
+    app = create_app(cfg)
+    asyncio.run(serve_both(app, ("127.0.0.1", port), ("127.0.0.1", internal_port), "warning"))
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -127,13 +153,17 @@ def free_port() -> int:
 
 
 # -- measurement --------------------------------------------------------------------------------
-async def one_direct(c: httpx.AsyncClient, worker_url: str, max_tokens: int) -> tuple[float, float]:
+async def one_direct(
+    c: httpx.AsyncClient, worker_url: str, max_tokens: int, headers: dict[str, str]
+) -> tuple[float, float]:
     body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": PROMPT_TOKENS,
             "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
             "kv_transfer_params": None, "remote_decode": False}  # fmt: skip
     t0 = time.perf_counter()
     ttft = None
-    async with c.stream("POST", f"{worker_url}/v1/internal/generate", json=body) as r:
+    async with c.stream(
+        "POST", f"{worker_url}/v1/internal/generate", json=body, headers=headers
+    ) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line and ttft is None:
@@ -173,34 +203,65 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def bench(args: argparse.Namespace, router_url: str, worker_url: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One router + worker pair to measure."""
+
+    name: str
+    router_url: str
+    worker_url: str
+    headers: dict[str, str]  # what a direct call to the worker needs (the cluster token)
+
+
+async def bench(args: argparse.Namespace, targets: list[Target]) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.concurrency * 2)
+    samples = {t.name: {"direct": [], "routed": []} for t in targets}
     async with httpx.AsyncClient(timeout=60, limits=limits) as c:
-        for _ in range(20):  # warm-up: connections, caches
-            await one_direct(c, worker_url, args.max_tokens)
-            await one_routed(c, router_url, args.model, args.max_tokens)
-        direct = await measure(lambda: one_direct(c, worker_url, args.max_tokens),
-                               args.requests, args.concurrency)  # fmt: skip
-        routed = await measure(lambda: one_routed(c, router_url, args.model, args.max_tokens),
-                               args.requests, args.concurrency)  # fmt: skip
-    result: dict[str, Any] = {"requests": args.requests, "max_tokens": args.max_tokens,
+        for t in targets:
+            for _ in range(20):  # warm-up: connections, caches
+                await one_direct(c, t.worker_url, args.max_tokens, t.headers)
+                await one_routed(c, t.router_url, args.model, args.max_tokens)
+        per_round = max(1, args.requests // args.rounds)
+        for _ in range(args.rounds):  # alternate, so drift affects every target alike
+            for t in targets:
+                s = samples[t.name]
+                s["direct"] += await measure(
+                    lambda t=t: one_direct(c, t.worker_url, args.max_tokens, t.headers),
+                    per_round, args.concurrency,
+                )  # fmt: skip
+                s["routed"] += await measure(
+                    lambda t=t: one_routed(c, t.router_url, args.model, args.max_tokens),
+                    per_round, args.concurrency,
+                )  # fmt: skip
+    result: dict[str, Any] = {"requests_per_target": per_round * args.rounds,
+                              "max_tokens": args.max_tokens,
                               "concurrency": args.concurrency}  # fmt: skip
-    for i, name in enumerate(("ttft", "e2e")):
-        d = [x[i] for x in direct]
-        r = [x[i] for x in routed]
-        for p in (50, 99):
-            result[f"{name}_direct_p{p}_ms"] = round(pct(d, p) * 1e3, 3)
-            result[f"{name}_router_p{p}_ms"] = round(pct(r, p) * 1e3, 3)
-            result[f"{name}_added_p{p}_ms"] = round((pct(r, p) - pct(d, p)) * 1e3, 3)
-        result[f"{name}_added_mean_ms"] = round((statistics.mean(r) - statistics.mean(d)) * 1e3, 3)
+    for t in targets:
+        direct, routed = samples[t.name]["direct"], samples[t.name]["routed"]
+        for i, name in enumerate(("ttft", "e2e")):
+            d = [x[i] for x in direct]
+            r = [x[i] for x in routed]
+            key = f"{t.name}_{name}"
+            for p in (50, 99):
+                result[f"{key}_direct_p{p}_ms"] = round(pct(d, p) * 1e3, 3)
+                result[f"{key}_router_p{p}_ms"] = round(pct(r, p) * 1e3, 3)
+                result[f"{key}_added_p{p}_ms"] = round((pct(r, p) - pct(d, p)) * 1e3, 3)
+            result[f"{key}_added_mean_ms"] = round(
+                (statistics.mean(r) - statistics.mean(d)) * 1e3, 3
+            )
+    if {t.name for t in targets} == {"auth", "noauth"}:
+        for name in ("ttft", "e2e"):
+            result[f"auth_cost_{name}_p50_ms"] = round(
+                result[f"auth_{name}_added_p50_ms"] - result[f"noauth_{name}_added_p50_ms"], 3
+            )
     return result
 
 
-def wait_ready(router_url: str, timeout_s: float = 120.0) -> None:
+def wait_ready(internal_url: str, headers: dict[str, str], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{router_url}/internal/workers", timeout=2)
+            r = httpx.get(f"{internal_url}/internal/workers", headers=headers, timeout=2)
             if r.status_code == 200 and r.json()["workers"]:
                 return
         except httpx.HTTPError:
@@ -209,42 +270,70 @@ def wait_ready(router_url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError("router or worker did not come up")
 
 
+def launch_pair(
+    name: str, args: argparse.Namespace, tok_dir: Path, token: str | None
+) -> tuple[Target, str, list[subprocess.Popen[bytes]]]:
+    """A router and a worker double as processes; the token (or none) in their environment."""
+    rport, iport, wport = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
+    if token is not None:
+        env[CLUSTER_TOKEN_ENV] = token
+    internal = f"http://127.0.0.1:{iport}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--serve-router", str(rport), str(iport),
+             "--model", args.model, "--tokenizer", str(tok_dir)],
+            start_new_session=True, env=env,
+        ),
+        subprocess.Popen(
+            [sys.executable, __file__, "--serve-double", str(wport), "--router-url", internal,
+             "--model", args.model],
+            start_new_session=True, env=env,
+        ),
+    ]  # fmt: skip
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    target = Target(name, f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{wport}", headers)
+    return target, internal, procs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--requests", type=int, default=300, help="per target")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--model", default="bench-model")
     p.add_argument("--router-url", default=None)
     p.add_argument("--worker-url", default=None)
+    p.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--serve-double", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve-router", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_double is not None:
         serve_double(args.serve_double, args.router_url, args.model)
         return 0
+    if args.serve_router is not None:
+        serve_router(*args.serve_router, args.model, args.tokenizer)
+        return 0
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if args.router_url and args.worker_url:
-            router_url, worker_url = args.router_url, args.worker_url
+            token = ClusterToken.load(None)
+            headers = token.headers() if token is not None else {}
+            targets = [Target("deployment", args.router_url, args.worker_url, headers)]
         else:
             tok_dir = Path(tempfile.mkdtemp(prefix="tandem-bench-tok-"))
             build_tokenizer(tok_dir)
-            rport, wport = free_port(), free_port()
-            router_url, worker_url = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{wport}"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tandem.cli", "router", "--model", args.model,
-                 "--tokenizer", str(tok_dir), "--host", "127.0.0.1", "--port", str(rport),
-                 "--log-level", "warning"],
-                start_new_session=True,
-            ))  # fmt: skip
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--serve-double", str(wport), "--router-url",
-                 router_url, "--model", args.model],
-                start_new_session=True,
-            ))  # fmt: skip
-        wait_ready(router_url)
-        result = asyncio.run(bench(args, router_url, worker_url))
+            targets, ready = [], []
+            for name, token in (("auth", generate_token()), ("noauth", None)):
+                target, internal, started = launch_pair(name, args, tok_dir, token)
+                procs += started
+                targets.append(target)
+                ready.append((internal, target.headers))
+            for internal, headers in ready:
+                wait_ready(internal, headers)
+        result = asyncio.run(bench(args, targets))
     finally:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)

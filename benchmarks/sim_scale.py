@@ -17,10 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +25,7 @@ import aiohttp
 import httpx
 from replay_load import replay
 
+from tandem.calibrate import LocalUp
 from tandem.engine.sim.profile import load_profile
 from tandem.operator.autoscaler import Pool, PoolMemory, PoolState, decide
 from tandem.operator.promtext import Snapshot
@@ -38,7 +35,6 @@ from tandem.operator.spec import parse_spec
 from tandem.planner.metrics import Percentiles
 from tandem.planner.simulator import Deployment, SimOptions, run_simulation
 from tandem.planner.workload import Lengths, Workload, generate
-from tandem.up import free_port
 
 
 def pss_mb(pid: int) -> float:
@@ -102,43 +98,26 @@ def main() -> None:
                  num_requests=args.requests, prefix_share=0.6,
                  prefix_groups=args.prefix_groups)  # fmt: skip
     reqs = generate(w, profile.model.sim_token_ids, 0, max_len)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_dir = Path(tempfile.mkdtemp(prefix="sim-scale-"))
     n = args.prefill + args.decode
+    up = LocalUp(["--simulate", args.profile, "--prefill", str(args.prefill),
+                  "--decode", str(args.decode), "--kv-transport", "tcp"], n, log_dir)  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--simulate", args.profile,
-         "--prefill", str(args.prefill), "--decode", str(args.decode), "--kv-transport", "tcp",
-         "--port", str(port), "--log-dir", str(log_dir)],
-        stdout=open(log_dir / "up.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        start_new_session=True, cwd=log_dir,
-    )  # fmt: skip
-    try:
-        workers: list[dict] = []
-        while len(workers) < n:
-            if proc.poll() is not None or time.monotonic() - t0 > 900:
-                raise SystemExit(f"tandem up failed; see {log_dir}")
-            try:
-                workers = httpx.get(f"{url}/internal/workers", timeout=2).json()["workers"]
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
+    with up:
         startup = time.monotonic() - t0
-        procs = children(proc.pid)
+        workers = up.workers()
+        procs = children(up.proc.pid)
         mem = sorted(pss_mb(p) for p in procs)
         print(f"{n} simulated workers + router registered in {startup:.1f} s; PSS per process "
               f"median {mem[len(mem) // 2]:.0f} MB, max {mem[-1]:.0f} MB, total "
               f"{sum(mem) / 1024:.2f} GB ({len(procs)} processes)", flush=True)  # fmt: skip
-        measured = replay(url, profile.model.name, reqs)
+        measured = replay(up.url, profile.model.name, reqs)
         failed = sum(m.error is not None for m in measured)
         texts = [httpx.get(f"{x['url']}/metrics", timeout=5).text for x in workers]
         hit = sum(metric_total(t, "tandem_prefix_cache_hit_tokens_total") for t in texts)
         queried = sum(metric_total(t, "tandem_prefix_cache_queried_tokens_total") for t in texts)
-        decisions = asyncio.run(autoscaler_decisions(workers, port, args.ttft, args.itl))
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(60)
+        router_port = int(up.url.rsplit(":", 1)[1])
+        decisions = asyncio.run(autoscaler_decisions(workers, router_port, args.ttft, args.itl))
     # Simulated workers wait their steps rather than compute them: no shared-core slowdown.
     sim = run_simulation(profile, w, Deployment(args.prefill, args.decode, kv_transport="tcp"),
                          SimOptions(seed=0))  # fmt: skip

@@ -43,6 +43,9 @@ class DecodeRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
+            side_channel_port=ctx.kv_side_channel_port,
+            data_port=ctx.kv_data_port,
             simulated=parts.simulated_transfer,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)

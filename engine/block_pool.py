@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine.hashing import BlockHash
@@ -44,6 +45,9 @@ class BlockPool:
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVEvent] = []
+        # Told (block id, hash) just before a cached block is evicted for reuse, while its bytes
+        # are still whole: the host KV tier keeps a copy (``KVTier.on_evict``).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +73,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
                 block.block_hash = None

@@ -14,9 +14,10 @@ import torch
 
 from tandem.engine.attention import get_backend
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import CacheConfig, EngineConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_layout import KVLayout, dtype_name
+from tandem.engine.kv_tier import KVTier
 from tandem.engine.model_path import resolve_model_path
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
@@ -24,6 +25,8 @@ from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
 from tandem.engine.runner import StepRunner
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sim.cost_model import TransferCost
+from tandem.engine.tier_copier import TierCopier
+from tandem.kernels import cpu_ops
 
 
 @dataclass(slots=True)
@@ -42,6 +45,8 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: StepRunner
+    # The host KV tier's copier (kv_offload_bytes > 0); the tier itself is ``kv.tier``.
+    copier: TierCopier | None = None
     # Simulated workers (``--simulate``): KV transfers wait this profiled time, move no bytes.
     simulated_transfer: TransferCost | None = None
 
@@ -73,8 +78,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = torch.device(config.device)
     dtype = parse_dtype(config.dtype)
     backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
-    backend = get_backend(backend_name)
-    model = load_model(model_path, dtype, config.device, use_kernels=device.type == "cuda")
+    backend = get_backend(backend_name, cpu_kernels=config.cpu_kernels)
+    on_cuda = device.type == "cuda"
+    model = load_model(
+        model_path, dtype, config.device, use_kernels=on_cuda, cpu_kernels=config.cpu_kernels
+    )
     arch = model.cfg
     tokenizer = load_tokenizer(model_path)
     max_model_len = min(
@@ -90,10 +98,26 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"max_model_len={max_model_len}; raise num_blocks or lower max_model_len"
         )
     layout = one.with_num_blocks(num_blocks)
-    pool, kv, scheduler = build_scheduler(config, layout, max_model_len)
+    num_host = cache.kv_offload_bytes // one.block_bytes
+    if cache.kv_offload_bytes and num_host < 1:
+        raise ValueError(
+            f"kv_offload_bytes={cache.kv_offload_bytes} is less than one KV block "
+            f"({one.block_bytes} bytes); use 0 to turn the host tier off"
+        )
+    tier = KVTier(num_host, cache.enable_prefix_caching) if num_host else None
+    pool, kv, scheduler = build_scheduler(config, layout, max_model_len, tier)
+    sched_cfg = scheduler.config
     runner = ModelRunner(model, backend, layout, device)
+    copier = TierCopier(runner.kv_cache, num_host) if num_host else None
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
-        _capture_graphs(runner, scheduler.config.max_num_seqs, max_model_len)
+        _capture_graphs(runner, sched_cfg.max_num_seqs, max_model_len)
+    fused_ok = backend_name == "torch" and config.cpu_kernels and not config.enforce_eager
+    if device.type == "cpu" and fused_ok and cpu_ops.available():
+        from tandem.engine.cpu_forward import CpuForward
+
+        runner.cpu_forward = CpuForward.build(
+            model, runner.kv_cache, sched_cfg.max_num_batched_tokens
+        )
     return EngineParts(
         config=config,
         model_path=model_path,
@@ -107,21 +131,35 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv=kv,
         scheduler=scheduler,
         runner=runner,
+        copier=copier,
     )
 
 
 def build_scheduler(
-    config: EngineConfig, layout: KVLayout, max_model_len: int
+    config: EngineConfig, layout: KVLayout, max_model_len: int, tier: KVTier | None = None
 ) -> tuple[BlockPool, KVCacheManager, Scheduler]:
-    """The block pool, KV cache manager and scheduler over ``layout.num_blocks`` blocks (shared
-    by the real and the simulated builder)."""
+    """The block pool, KV cache manager (with the host tier, if any) and scheduler over
+    ``layout.num_blocks`` blocks (shared by the real and the simulated builder)."""
     cache = config.cache
     pool = BlockPool(layout.num_blocks, enable_caching=cache.enable_prefix_caching)
-    kv = KVCacheManager(pool, layout.block_size, cache.enable_prefix_caching)
+    kv = KVCacheManager(pool, layout.block_size, cache.enable_prefix_caching, tier)
     sched_cfg = config.scheduler
     if sched_cfg.max_model_len != max_model_len:
         sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    check_unchunked_budget(sched_cfg)
     return pool, kv, Scheduler(sched_cfg, kv)
+
+
+def check_unchunked_budget(cfg: SchedulerConfig) -> None:
+    """Without chunked prefill a prompt runs in one step, so a prompt longer than the step's token
+    budget could never be admitted and would wait forever: refuse the configuration (as vLLM
+    does) rather than accept requests that never finish."""
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+        raise ValueError(
+            f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len, got "
+            f"{cfg.max_num_batched_tokens} < {cfg.max_model_len}: a longer prompt could never be "
+            "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
 
 
 def _kv_budget(cache: CacheConfig, device: torch.device) -> int:

@@ -31,12 +31,17 @@ class CacheConfig:
     # the KV cache gets what the loaded model leaves of it (as in vLLM). Ignored on CPU.
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Host-memory KV tier (pinned on CUDA): evicted prefix blocks and swapped-out requests go
+    # there instead of being dropped or recomputed. 0 = off.
+    kv_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if type(self.kv_offload_bytes) is not int or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be an int >= 0, got {self.kv_offload_bytes!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -54,4 +59,8 @@ class EngineConfig:
     served_model_name: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    enforce_eager: bool = False  # disable CUDA graphs
+    # Disable CUDA graphs on GPU and the fused one-call forward on CPU (engine/cpu_forward.py).
+    enforce_eager: bool = False
+    # The CPU kernels (tandem.kernels.cpu_ops, built at first use) for float32 on CPU; False, or
+    # a machine where they cannot be built, keeps the PyTorch path.
+    cpu_kernels: bool = True

@@ -15,7 +15,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, EngineStats
+from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class Engine:
         self.kv = parts.kv
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.copier = parts.copier
         self.hooks: RoleHooks = hooks or ColocatedHooks()
         self._requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
@@ -159,7 +160,13 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler
         outputs = self._finals(self.hooks.before_step(sched))
+        outputs += self._finals(self._finish_host_loads())
         out = sched.schedule()
+        if self.copier is not None and self.kv.tier is not None:
+            # Before the connector or the forward pass may write blocks this step reused.
+            self.copier.submit(self.kv.tier.take_ops())
+            if out.loads:
+                self.copier.wait_offloads()
         outputs += self._finals(self.hooks.on_scheduled(sched, out))
         if out.is_empty:
             return outputs
@@ -173,6 +180,16 @@ class Engine:
         for req in changed:
             outputs.append(self._process(req, result.logprobs.get(req.request_id)))
         return outputs
+
+    def _finish_host_loads(self) -> list[Request]:
+        if self.copier is None:
+            return []
+        ended = []
+        for res in self.copier.poll():
+            req = self.scheduler.finish_host_load(res.request_id, res.bad_host_blocks)
+            if req is not None:
+                ended.append(req)
+        return ended
 
     def _finals(self, ended: list[Request]) -> list[EngineOutput]:
         return [self._final(r) for r in ended if r.request_id in self._requests]
@@ -199,18 +216,42 @@ class Engine:
         return self.pool.take_events()
 
     def stats(self) -> EngineStats:
+        sched, tier, copier = self.scheduler, self.kv.tier, self.copier
         return EngineStats(
-            num_running=len(self.scheduler.running) + len(self.scheduler.loading),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running) + len(sched.loading),
+            num_waiting=len(sched.waiting),
             kv_usage=self.pool.usage,
             num_free_blocks=self.pool.num_free_blocks,
             prefix_queried_tokens=self.kv.queried_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+            num_preemptions=sched.num_preemptions,
+            num_swap_preemptions=sched.num_swap_preemptions,
+            host_tier=None if tier is None or copier is None else HostTierStats(
+                num_blocks=tier.host.num_blocks,
+                usage=tier.host.usage,
+                hit_tokens=self.kv.host_hit_tokens,
+                offloaded_blocks=tier.num_offloaded,
+                loaded_blocks=tier.num_loaded,
+                integrity_failures=tuple((r.value, n) for r, n in copier.failures.items()),
+            ),
+        )  # fmt: skip
 
     def check_integrity(self) -> None:
+        """Both pools' accounting; with a host tier also: the scheduler's loading requests are
+        exactly the connector's and the tier's loads, and every cached host block is tagged
+        with its hash in the copier."""
         self.kv.check_integrity()
+        tier = self.kv.tier
+        if tier is None or self.copier is None:
+            return
+        loading = self.scheduler.loading
+        waiting = {r for r, q in loading.items() if q.status == RequestStatus.WAITING_FOR_HOST_KV}
+        if not waiting <= tier.loading_ids <= loading.keys():
+            raise AssertionError("the scheduler's host loads disagree with the host tier's")
+        tags = self.copier.tags
+        for block in tier.host.blocks:
+            if block.block_hash is not None and tags[block.block_id] != block.block_hash:
+                raise AssertionError(f"host block {block.block_id} is not tagged with its hash")
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.layout.block_size)

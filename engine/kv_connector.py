@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 MAX_ID_LEN = 256
 _SIDE_CHANNEL_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}$")
+_SECRET_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class FailureReason(StrEnum):
@@ -37,6 +38,8 @@ class FailureReason(StrEnum):
     BAD_MESSAGE = "bad_message"
     LEASE_EXPIRED = "lease_expired"
     CLOSED = "closed"
+    UNAUTHORIZED = "unauthorized"  # no cluster token, or no proof of the transfer's secret
+    UNKNOWN_TRANSFER = "unknown_transfer"  # data for a transfer this connection did not open
 
 
 def _check_id(name: str, value: Any) -> str:
@@ -53,7 +56,12 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVTransferParams:
-    """What prefill hands back (via the router) so a decode engine can pull the blocks."""
+    """What prefill hands back (via the router) so a decode engine can pull the blocks.
+
+    ``transfer_secret`` is issued by the sender for this grant alone and travels only through
+    the authenticated router: the puller proves it holds it (kvtransfer/auth.py) and the sender
+    sends blocks to nobody else. It is never logged (``repr`` hides it).
+    """
 
     engine_id: str
     side_channel: str
@@ -62,6 +70,7 @@ class KVTransferParams:
     num_tokens: int
     first_token_id: int
     lease_seconds: float
+    transfer_secret: str = field(repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +81,7 @@ class KVTransferParams:
             "num_tokens": self.num_tokens,
             "first_token_id": self.first_token_id,
             "lease_seconds": self.lease_seconds,
+            "transfer_secret": self.transfer_secret,
         }
 
     @classmethod
@@ -87,6 +97,7 @@ class KVTransferParams:
             "num_tokens",
             "first_token_id",
             "lease_seconds",
+            "transfer_secret",
         }
         if set(data) != expected:
             missing, extra = expected - set(data), set(data) - expected
@@ -106,6 +117,9 @@ class KVTransferParams:
         lease = data["lease_seconds"]
         if type(lease) not in (int, float) or not math.isfinite(lease) or not 0 < lease <= 3600:
             raise ValueError(f"lease_seconds must be in (0, 3600], got {lease!r}")
+        secret = data["transfer_secret"]
+        if not isinstance(secret, str) or not _SECRET_RE.match(secret):
+            raise ValueError("transfer_secret must be 64 lowercase hex characters")
         return cls(
             engine_id=_check_id("engine_id", data["engine_id"]),
             side_channel=side,
@@ -114,6 +128,7 @@ class KVTransferParams:
             num_tokens=_check_int("num_tokens", data["num_tokens"], 0, 2**31 - 1),
             first_token_id=_check_int("first_token_id", data["first_token_id"], 0, 2**31 - 1),
             lease_seconds=float(lease),
+            transfer_secret=secret,
         )
 
 

@@ -19,6 +19,8 @@ from tandem.engine.hashing import BlockHash
 TOPIC = b"kv"
 VERSION = 1
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# With a cluster token, subscribers log in with ZMQ PLAIN: this user name, the token as password.
+PLAIN_USERNAME = b"tandem"
 
 
 class KVEventKind(IntEnum):

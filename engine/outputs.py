@@ -73,6 +73,18 @@ class EngineOutput:
 
 
 @dataclass(slots=True, frozen=True)
+class HostTierStats:
+    num_blocks: int
+    usage: float
+    # Prompt tokens whose KV was loaded from the host tier instead of computed.
+    hit_tokens: int
+    offloaded_blocks: int
+    loaded_blocks: int
+    # (reason, count): host blocks refused by a load's checks (IntegrityFailure values).
+    integrity_failures: tuple[tuple[str, int], ...]
+
+
+@dataclass(slots=True, frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -80,4 +92,7 @@ class EngineStats:
     num_free_blocks: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    # Every preemption; the swap ones are also counted apart (the rest recomputed).
     num_preemptions: int
+    num_swap_preemptions: int = 0
+    host_tier: HostTierStats | None = None

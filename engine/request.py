@@ -20,6 +20,8 @@ class RequestStatus(IntEnum):
     WAITING_FOR_REMOTE_KV = 1
     RUNNING = 2
     PREEMPTED = 3
+    # Admitted; its blocks are being loaded back from the host KV tier (prefix hit or swap-in).
+    WAITING_FOR_HOST_KV = 4
     # Everything from here on is finished; the scheduler no longer holds the request.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11

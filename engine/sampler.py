@@ -76,6 +76,11 @@ class SamplerOutput:
 class Sampler:
     """Stateless; one instance can serve every step of an engine."""
 
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Argmax per row of ``logits`` [B, V] (ties to the lowest id): the whole of sampling when
+        :func:`argmax_only` holds, which the ModelRunner checks before building any rows."""
+        return logits.argmax(dim=-1).tolist()
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]`` (any float dtype)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -88,13 +93,13 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
 
         params = [row.params for row in rows]
-        penalized = [_has_penalties(p) for p in params]
-        want_logprobs = [p.logprobs is not None for p in params]
-        if all(p.greedy for p in params) and not any(penalized) and not any(want_logprobs):
+        if argmax_only(params):
             # Converting to float32 cannot change the argmax, so skip the copy.
             return SamplerOutput(
                 token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows)
             )
+        penalized = [_has_penalties(p) for p in params]
+        want_logprobs = [p.logprobs is not None for p in params]
 
         logits = logits.to(torch.float32, copy=True)
         if any(penalized):
@@ -120,6 +125,12 @@ class Sampler:
             for i, entry in zip(lp_idx, entries, strict=True):
                 out_logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+
+def argmax_only(params: Sequence[SamplingParams]) -> bool:
+    """True when every row is greedy without penalties or logprobs: sampling is then one argmax
+    (callers such as the ModelRunner may skip building SamplingRows altogether)."""
+    return all(p.greedy and p.logprobs is None and not _has_penalties(p) for p in params)
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -11,6 +11,11 @@ request fields the role sets (``tandem.prefill`` / ``tandem.decode`` own the pol
 - external KV: a request carrying ``kv_transfer_params`` is admitted with blocks for the prompt
   part the local prefix cache lacks, waits in ``loading`` while the role fills them (a
   ``LoadSpec`` in the step's output), and runs once ``finish_load`` says they are whole.
+
+With a host KV tier (``KVCacheManager.tier``) the core uses the same ``loading`` state itself:
+a prefix match that continues into the tier, or a swapped-out request resuming, waits there
+(WAITING_FOR_HOST_KV) while the engine's ``TierCopier`` loads its blocks, and runs once
+``finish_host_load`` says they are whole. Preemption swaps when the tier has room.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Scheduler:
         # Prefill role: finished requests whose blocks stay pinned until a decode worker pulls them.
         self.pinned: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
         self._leaders: dict[str, Request] = {}
 
     # ---- queues -------------------------------------------------------------------------------
@@ -88,6 +94,12 @@ class Scheduler:
         for req in self.waiting:
             if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if self.kv.is_swapped(req):
+                if not self.kv.resume_swapped(req, max(budget, 1)):
+                    break
+                self._wait_for_host(req)
+                admitted.append(req)
+                continue
             if req.kv_transfer_params is not None:
                 if not self._admit_remote(req, out):
                     break
@@ -98,6 +110,14 @@ class Scheduler:
             if not self._leader_ready(req):
                 continue  # siblings of n > 1 wait for the shared prompt to be cached
             hits, num_hit = self.kv.get_computed_blocks(req)
+            host_hits = self.kv.get_host_hits(req, len(hits))
+            if host_hits:
+                rest = req.num_tokens - num_hit - len(host_hits) * self.kv.block_size
+                if not self.kv.load_from_host(req, hits, host_hits, min(rest, budget)):
+                    break
+                self._wait_for_host(req)
+                admitted.append(req)
+                continue
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -172,6 +192,39 @@ class Scheduler:
         self.waiting.insert(0, req)
         return None
 
+    def _wait_for_host(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING_FOR_HOST_KV
+        self.loading[req.request_id] = req
+
+    def finish_host_load(self, request_id: str, bad_host_blocks: tuple[int, ...]) -> Request | None:
+        """The engine's copier finished a host-tier load (``bad_host_blocks`` failed a check).
+
+        Whole: the request runs from the loaded prefix (or, swapped out, from where it stopped).
+        Otherwise those host blocks are forgotten and the request re-queues in front, matching
+        again only what is still sound. Returns the request if it ended here (aborted before).
+        """
+        load = self.kv.end_host_load(request_id, bad_host_blocks)
+        req = self.loading.pop(request_id)
+        if req.is_finished:  # aborted while the copies ran: only now may the blocks be reused
+            self.kv.free(req)
+            return req
+        if bad_host_blocks:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED if load.swap else RequestStatus.WAITING
+            self.waiting.insert(0, req)
+            return None
+        req.num_computed_tokens = load.num_computed_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if not load.swap:
+            self.kv.record_prefix_query(req.num_tokens, load.num_computed_tokens)
+            self.kv.host_hit_tokens += len(load.copies) * self.kv.block_size
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = load.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return None
+
     def _leader_ready(self, req: Request) -> bool:
         if req.group_index == 0:
             return True
@@ -183,9 +236,13 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, num_new, sample))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop the KV, keep the tokens; the request re-queues in front."""
+        """Swap the KV to the host tier if it has room, else drop it (recompute); either way the
+        tokens stay and the request re-queues in front."""
         self.running.remove(req)
-        self.kv.free(req)
+        if self.kv.swap_out(req):
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

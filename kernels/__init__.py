@@ -1,4 +1,11 @@
-"""Tandem's Triton kernels and their PyTorch references (``*_ref``).
+"""Tandem's Triton kernels and their PyTorch references (``*_ref``), and the CPU kernels
+(:mod:`tandem.kernels.cpu_ops`, :mod:`tandem.kernels.cpu_forward`, built at first use).
+
+There is no sampling kernel: the engine's :class:`~tandem.engine.sampler.Sampler` samples with
+PyTorch on every device. A Triton greedy argmax computed exactly ``torch.argmax`` (one reduction
+kernel on CUDA already), and a Triton draw cannot consume a request's ``torch.Generator``, which
+seeded requests need to give the same tokens on every backend and in every batch; the former
+``kernels/sampling.py`` was therefore never wired in and was removed.
 
 The references live in :mod:`tandem.kernels.refs` (pure PyTorch; the CPU path runs on them) and
 are re-exported by each kernel's module. Names resolve lazily so that ``import tandem.kernels``
@@ -28,9 +35,6 @@ _EXPORTS = {
     "compute_inv_freq": "rope_cache",
     "silu_and_mul": "activation",
     "silu_and_mul_ref": "refs",
-    "greedy_sample": "sampling",
-    "greedy_sample_ref": "sampling",
-    "top_k_top_p_sample": "sampling",
     "DecodeGraphRunner": "cuda_graph",
     "GraphInput": "cuda_graph",
     "capture_batch_sizes": "cuda_graph",

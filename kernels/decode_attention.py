@@ -52,6 +52,7 @@ def _paged_decode_kernel(
     stride_ot,
     stride_oh,
     block_size,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -64,10 +65,13 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # Sliding window (window > 0): the query at seq_len - 1 sees positions kv_lo..seq_len-1.
+    kv_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_tile = kv_lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -86,7 +90,7 @@ def _paged_decode_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + n
-        n_mask = pos < seq_len
+        n_mask = (pos < seq_len) & (pos >= kv_lo)
         k = load_paged_tile(
             k_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
             stride_kb, stride_ks, stride_kh,
@@ -172,10 +176,12 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (sequence i's one new token) over cache positions
     0..seq_lens[i]-1 read through block_tables [B, max_blocks]. Returns [B, Hq, D] in q's dtype
-    (written into out when given). Sequences with seq_len 0 get zeros.
+    (written into out when given). Sequences with seq_len 0 get zeros. window > 0: sliding-window
+    attention over the last ``window`` positions only (Mistral).
 
     num_splits None picks by occupancy on CUDA (needs max_seq_len, a host int, to avoid a sync) and
     1 in the interpreter. block_n overrides the KV tile (a power of two >= 16).
@@ -199,6 +205,8 @@ def paged_decode_attention(
             num_splits = 1
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
+    if window < 0:
+        raise ValueError(f"{name}: window must be >= 0, got {window}")
     block_d = triton.next_power_of_2(head_dim)
     if block_n is None:
         block_n = 64 if q.is_cuda and block_d <= 128 else 32
@@ -234,6 +242,7 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         k_cache.shape[1],
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,

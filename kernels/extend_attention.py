@@ -54,8 +54,10 @@ def _paged_extend_kernel(
     stride_ot,
     stride_oh,
     block_size,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -90,6 +92,12 @@ def _paged_extend_kernel(
         bt_row = block_tables_ptr + seq * stride_bt
         # Every row of this tile may see all positions below its first query position.
         unmasked_end = (context_len + tok_lo) // BLOCK_N * BLOCK_N
+        masked_start = unmasked_end
+        if HAS_WINDOW:
+            # Sliding window: rows see different ranges, so every tile is masked, from the tile
+            # holding the first position the tile's first row still sees.
+            masked_start = tl.maximum(context_len + tok_lo - window + 1, 0) // BLOCK_N * BLOCK_N
+            unmasked_end = 0
         kv_end = tl.minimum(seq_len, context_len + tok_lo + TOKENS_PER_TILE)
         all_n = n < BLOCK_N
         for start in range(0, unmasked_end, BLOCK_N):
@@ -104,7 +112,7 @@ def _paged_extend_kernel(
                 stride_vb, stride_vs, stride_vh,
             )  # fmt: skip
             m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-        for start in range(unmasked_end, kv_end, BLOCK_N):
+        for start in range(masked_start, kv_end, BLOCK_N):
             pos = start + n
             n_mask = pos < kv_end
             k = load_paged_tile(
@@ -113,6 +121,8 @@ def _paged_extend_kernel(
             )  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if HAS_WINDOW:
+                causal = causal & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(causal, s, float("-inf"))
             v = load_paged_tile(
                 v_cache_ptr, bt_row, pos, n_mask, kv_head, d, d_mask, block_size,
@@ -138,8 +148,10 @@ def paged_extend_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of packed queries q [T, Hq, D] over each sequence's cache positions.
+    """Causal attention of packed queries q [T, Hq, D] over each sequence's cache positions;
+    window > 0 restricts a query at position p to keys p - window < j <= p (Mistral).
 
     max_query_len is a host int (sizes the grid without a device sync) and must be >= every query
     length. Rows of q beyond query_start_loc[-1] are not written. Returns [T, Hq, D] in q's dtype
@@ -157,6 +169,8 @@ def paged_extend_attention(
         out = torch.empty_like(q)
     else:
         check_out(name, out, q)
+    if window < 0:
+        raise ValueError(f"{name}: window must be >= 0, got {window}")
     if num_seqs == 0 or max_query_len <= 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
@@ -190,8 +204,10 @@ def paged_extend_attention(
         out.stride(0),
         out.stride(1),
         k_cache.shape[1],
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
+        HAS_WINDOW=window > 0,
         TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m,
         BLOCK_D=block_d,

@@ -33,6 +33,13 @@ def check_launchable(name: str, *tensors: torch.Tensor) -> None:
     )
 
 
+def check_on_cpu(name: str, *tensors: torch.Tensor) -> None:
+    """The CPU kernels (:mod:`tandem.kernels.cpu_ops`) read host memory only."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: CPU kernels need CPU tensors, got device {t.device}")
+
+
 def check_shape(name: str, what: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     """Raise ValueError naming the argument when t's shape differs from shape."""
     if tuple(t.shape) != shape:

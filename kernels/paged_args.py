@@ -15,6 +15,7 @@ from tandem.kernels.launch import (
     check_dtype,
     check_last_dim_contiguous,
     check_launchable,
+    check_on_cpu,
     check_shape,
 )
 
@@ -29,11 +30,14 @@ def check_paged_attention_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None = None,
+    *,
+    cpu: bool = False,
 ) -> None:
     """Raise ValueError, naming the wrapper and the argument, unless the arguments fit the kernels.
 
     Decode passes no query_start_loc: q is [B, Hq, D], one row per sequence. Extend passes it: q is
-    [T, Hq, D] packed, and the number of sequences is seq_lens' length.
+    [T, Hq, D] packed, and the number of sequences is seq_lens' length. ``cpu``: the CPU kernels
+    of :mod:`tandem.kernels.cpu_ops` (float32 CPU tensors) instead of Triton's devices and dtypes.
     """
     decode = query_start_loc is None
     if q.dim() != 3 or k_cache.dim() != 4:
@@ -55,7 +59,7 @@ def check_paged_attention_args(
         index.insert(1, ("query_start_loc", query_start_loc))
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"{name}: block_tables must be [{num_seqs}, max_blocks]")
-    check_dtype(name, "q", q, FLOAT_DTYPES)
+    check_dtype(name, "q", q, (torch.float32,) if cpu else FLOAT_DTYPES)
     check_dtype(name, "k_cache", k_cache, (q.dtype,))
     check_dtype(name, "v_cache", v_cache, (q.dtype,))
     for what, t in index:
@@ -68,7 +72,11 @@ def check_paged_attention_args(
     for what, t in index[1:]:
         if not t.is_contiguous():
             raise ValueError(f"{name}: {what} must be contiguous")
-    check_launchable(name, q, k_cache, v_cache, *(t for _, t in index))
+    tensors = (q, k_cache, v_cache, *(t for _, t in index))
+    if cpu:
+        check_on_cpu(name, *tensors)
+    else:
+        check_launchable(name, *tensors)
 
 
 def check_out(name: str, out: torch.Tensor, q: torch.Tensor) -> None:

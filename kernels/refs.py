@@ -80,14 +80,21 @@ def attention_ref(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """fp32 causal attention of q [M, Hq, D] at absolute positions q_positions over dense k/v
-    [L, Hkv, D] at positions 0..L-1, with GQA by repeating KV heads. Returns [M, Hq, D] fp32."""
+    [L, Hkv, D] at positions 0..L-1, with GQA by repeating KV heads. Returns [M, Hq, D] fp32.
+
+    window > 0 is sliding-window attention as in Hugging Face's Mistral: a query at position p
+    sees keys j with p - window < j <= p."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,lhd->hml", q.float(), kf) * scale
-    allowed = torch.arange(k.shape[0], device=q.device)[None, :] <= q_positions[:, None]
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    allowed = k_pos <= q_positions[:, None]
+    if window > 0:
+        allowed &= k_pos > q_positions[:, None] - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     return torch.einsum("hml,lhd->mhd", torch.softmax(scores, dim=-1), vf)
 
@@ -99,16 +106,17 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Reference of :func:`tandem.kernels.decode_attention.paged_decode_attention` (gathers each
-    sequence's KV); sequences with seq_len 0 get zeros."""
+    sequence's KV); sequences with seq_len 0 get zeros. window: as in :func:`attention_ref`."""
     out = torch.zeros_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
         k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
         pos = torch.tensor([seq_len - 1], device=q.device)
-        out[i] = attention_ref(q[i : i + 1], k, v, pos, scale)[0].to(q.dtype)
+        out[i] = attention_ref(q[i : i + 1], k, v, pos, scale, window)[0].to(q.dtype)
     return out
 
 
@@ -120,9 +128,10 @@ def paged_extend_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Reference of :func:`tandem.kernels.extend_attention.paged_extend_attention`; rows past the
-    last query are zero."""
+    last query are zero. window: as in :func:`attention_ref`."""
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -131,7 +140,7 @@ def paged_extend_attention_ref(
             continue
         k, v = gather_seq_kv_ref(k_cache, v_cache, block_tables[i], seq_len)
         pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale).to(q.dtype)
+        out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale, window).to(q.dtype)
     return out
 
 

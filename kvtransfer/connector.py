@@ -22,6 +22,7 @@ import zmq.asyncio
 from tandem.engine.kv_connector import KVTransferParams, LoadResult
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.role import Role
+from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.context import ConnectorContext
 from tandem.kvtransfer.decode_side import DecodeSide
 from tandem.kvtransfer.metrics import KVTransferMetrics
@@ -57,6 +58,8 @@ class ZmqKVConnector:
         handshake_timeout: float,
         advertise_host: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth: FrameAuth | None = None,
+        data_port: int = 0,
     ) -> None:
         layout.check_kv_cache(kv_cache)
         if (send is not None) != (role != Role.DECODE) or (recv is not None) != (
@@ -80,14 +83,20 @@ class ZmqKVConnector:
             transfer_timeout=transfer_timeout,
             handshake_timeout=handshake_timeout,
             clock=clock,
+            auth=auth or FrameAuth(None),
         )
+        if recv is not None:
+            recv.on_dropped = self._ctx.count_failure
         self._prefill = PrefillSide(self._ctx, send, lease_seconds) if send else None
         self._decode = DecodeSide(self._ctx, recv) if recv else None
         self._transport = (send or recv).name  # type: ignore[union-attr]
         self._thread = threading.Thread(target=loop.run_forever, name="kv-connector", daemon=True)
         self._thread.start()
         try:
-            self._call(self._start(host, side_channel_port, advertise_host or host), timeout=30.0)
+            self._call(
+                self._start(host, side_channel_port, advertise_host or host, data_port),
+                timeout=30.0,
+            )
         except BaseException:
             self.close()
             raise
@@ -167,9 +176,9 @@ class ZmqKVConnector:
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._ctx.loop).result(timeout)
 
-    async def _start(self, host: str, port: int, advertise_host: str) -> None:
+    async def _start(self, host: str, port: int, advertise_host: str, data_port: int) -> None:
         if self._prefill is not None:
-            await self._prefill.start(host, port, advertise_host)
+            await self._prefill.start(host, port, advertise_host, data_port)
         self._ctx.spawn(self._ticker())
 
     async def _shutdown(self) -> None:

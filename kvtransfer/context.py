@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from tandem.engine.kv_connector import FailureReason
 from tandem.engine.kv_layout import KVLayout
+from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.metrics import KVTransferMetrics
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ConnectorContext:
     transfer_timeout: float
     handshake_timeout: float
     clock: Callable[[], float]
+    auth: FrameAuth = field(default_factory=lambda: FrameAuth(None))
     lock: threading.Lock = field(default_factory=threading.Lock)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 

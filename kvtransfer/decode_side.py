@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.kv_connector import FailureReason, KVTransferParams, LoadResult
 from tandem.kvtransfer import protocol as p
+from tandem.kvtransfer.auth import holder_proof, pull_proof
 from tandem.kvtransfer.context import ConnectorContext, LoadFailure
 from tandem.kvtransfer.peer_link import Held, PeerLink
 from tandem.kvtransfer.transport import RecvTransport, TransferError, block_bytes_view
@@ -138,11 +139,14 @@ class DecodeSide:
                 if now - entry.last_renew >= entry.params.lease_seconds / 3
             ]
             if due and peer.engine_id is not None:
-                for _, entry in due:
+                proofs: dict[str, str] = {}
+                for rid, entry in due:
                     entry.last_renew = now
-                ids = tuple(dict.fromkeys(rid for rid, _ in due))
+                    proofs[rid] = _holder(entry.params)
+                ids = tuple(proofs)
                 for i in range(0, len(ids), p.MAX_RENEW_IDS):
-                    peer.send(p.Renew(peer.engine_id, ids[i : i + p.MAX_RENEW_IDS]))
+                    batch = ids[i : i + p.MAX_RENEW_IDS]
+                    peer.send(p.Renew(peer.engine_id, batch, tuple(proofs[r] for r in batch)))
 
     async def close(self) -> None:
         with self._ctx.lock:
@@ -203,7 +207,7 @@ class DecodeSide:
         if peer is not None:
             peer.loads.pop(load.params.remote_request_id, None)
             if peer.engine_id is not None and not peer.closed:
-                peer.send(p.Release(load.params.engine_id, load.params.remote_request_id, kind))
+                peer.send(_release(load.params, kind))
         elif kind == p.ReleaseKind.ABORTED:
             # Aborted before the handshake finished: still free prefill's blocks now rather
             # than at lease expiry.
@@ -217,7 +221,7 @@ class DecodeSide:
         except LoadFailure as exc:
             log.info("kv: could not tell %s to release: %s", params.side_channel, exc)
             return
-        peer.send(p.Release(params.engine_id, params.remote_request_id, kind))
+        peer.send(_release(params, kind))
 
     async def _until_interrupted(self, load: _Load, coro):  # noqa: ANN001, ANN202
         assert load.interrupt_future is not None
@@ -239,16 +243,22 @@ class DecodeSide:
         done: asyncio.Future[p.Message] = self._ctx.loop.create_future()
         peer.waiters[xfer] = (accepted, done)
         try:
-            recv.expect(peer.token, xfer, views)
+            recv.expect(peer.token, xfer, views, load.params.transfer_secret)
         except TransferError as exc:
             raise LoadFailure(FailureReason.PEER_DISCONNECTED, str(exc)) from None
         try:
+            segments = tuple((r, n) for r, _, n in load.runs)
+            params = load.params
             pull = p.Pull(
-                load.params.engine_id,
-                load.params.remote_request_id,
+                params.engine_id,
+                params.remote_request_id,
                 xfer,
-                tuple((r, n) for r, _, n in load.runs),
-            )
+                segments,
+                pull_proof(
+                    params.transfer_secret, params.engine_id, params.remote_request_id, xfer,
+                    segments,
+                ),
+            )  # fmt: skip
             peer.send(pull)
             # Once prefill may be sending, a UCX load must see the transfer through (its
             # sends would otherwise stall on our side); TCP can drop the data on arrival.
@@ -272,7 +282,7 @@ class DecodeSide:
             try:
                 await waiting
             except TransferError as exc:
-                raise LoadFailure(FailureReason.TRANSFER_ERROR, str(exc)) from None
+                raise LoadFailure(exc.reason, str(exc)) from None
             if not recv.self_delimiting:
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(done), self._ctx.transfer_timeout)
@@ -320,6 +330,14 @@ class DecodeSide:
     def _forget_peer(self, peer: PeerLink) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+
+
+def _holder(params: KVTransferParams) -> str:
+    return holder_proof(params.transfer_secret, params.engine_id, params.remote_request_id)
+
+
+def _release(params: KVTransferParams, kind: p.ReleaseKind) -> p.Release:
+    return p.Release(params.engine_id, params.remote_request_id, kind, _holder(params))
 
 
 def _raise_for_reply(reply: p.Message) -> None:

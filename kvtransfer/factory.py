@@ -7,9 +7,11 @@ import uuid
 import torch
 import zmq.asyncio
 
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.role import Role
 from tandem.engine.sim.cost_model import TransferCost
+from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.metrics import KVTransferMetrics
 from tandem.kvtransfer.tcp_transport import TcpRecvTransport, TcpSendTransport
@@ -32,6 +34,8 @@ def create_connector(
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     advertise_host: str | None = None,
     engine_id: str | None = None,
+    cluster_token: ClusterToken | None = None,
+    data_port: int = 0,
     simulated: TransferCost | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
@@ -44,10 +48,14 @@ def create_connector(
     ``transfer_timeout`` bounds each pull phase, ``handshake_timeout`` the first contact.
     ``role`` prefill serves pulls, decode pulls, colocated does both. ``engine_id`` is the
     worker's one engine id (a fresh one when omitted): decode refuses a pull whose params name
-    another, so a restarted prefill is never read as its predecessor.
-    ``simulated`` (simulated workers): the real side channel over the ``sim`` data path, each
-    pull waiting the profiled time of ``transport`` for its bytes; ``kv_cache`` may be a meta
-    tensor.
+    another, so a restarted prefill is never read as its predecessor. ``cluster_token`` seals
+    every side-channel frame and proves every data connection (workers always pass theirs;
+    None, for in-process tests, seals with an empty key: the same wire, unauthenticated).
+    ``side_channel_port`` and ``data_port`` (0: any free port) fix the prefill's listeners so a
+    NetworkPolicy can name them.
+    ``simulated`` (simulated workers): the real side channel (sealed as above) over the ``sim``
+    data path, each pull waiting the profiled time of ``transport`` for its bytes; ``kv_cache``
+    may be a meta tensor.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -55,6 +63,7 @@ def create_connector(
     if transfer_timeout <= 0 or handshake_timeout <= 0:
         raise ValueError("timeouts must be positive")
     zctx = zmq.asyncio.Context.instance()
+    auth = FrameAuth(cluster_token)
     wants_send = role_enum in (Role.PREFILL, Role.COLOCATED)
     wants_recv = role_enum in (Role.DECODE, Role.COLOCATED)
     if simulated is not None:
@@ -64,8 +73,8 @@ def create_connector(
         send = SimSendTransport(lambda n: simulated.seconds(transport, n)) if wants_send else None
         recv = SimRecvTransport() if wants_recv else None
     elif transport == "tcp":
-        send = TcpSendTransport(zctx) if wants_send else None
-        recv = TcpRecvTransport(zctx) if wants_recv else None
+        send = TcpSendTransport(zctx, auth) if wants_send else None
+        recv = TcpRecvTransport(zctx, auth) if wants_recv else None
     elif transport == "ucx":
         from tandem.kvtransfer.ucx_transport import (
             UcxRecvTransport,
@@ -74,8 +83,8 @@ def create_connector(
         )
 
         runtime = UcxRuntime.get()
-        send = UcxSendTransport(runtime) if wants_send else None
-        recv = UcxRecvTransport(runtime) if wants_recv else None
+        send = UcxSendTransport(runtime, auth) if wants_send else None
+        recv = UcxRecvTransport(runtime, auth) if wants_recv else None
     else:
         raise ValueError(f"transport must be ucx or tcp, got {transport!r}")
     return ZmqKVConnector(
@@ -93,4 +102,6 @@ def create_connector(
         transfer_timeout=transfer_timeout,
         handshake_timeout=handshake_timeout,
         advertise_host=advertise_host,
+        auth=auth,
+        data_port=data_port,
     )

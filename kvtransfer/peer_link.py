@@ -3,10 +3,10 @@
 A link owns a ZMQ DEALER socket (routing id = the decode's 16-byte data-channel token), a monitor
 that notices the prefill going away, and three tasks: the handshake (HELLO, layout and transport
 checked on both ends, then the data channel connected), the reader that routes replies to the
-transfers waiting for them, and the watcher. ``close`` fails everything still waiting on the
-link. Every method runs on the connector's event loop; ``DecodeSide`` keeps the table of links
-and the load lifecycle.
-"""
+transfers waiting for them, and the watcher. Every frame is sealed with the cluster token and every
+reply opened only if its MAC verifies. ``close`` fails everything still waiting on the link. Every
+method runs on the connector's event loop; ``DecodeSide`` keeps the table of links and the load
+lifecycle."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from tandem.engine.kv_connector import FailureReason, KVTransferParams
 from tandem.engine.kv_layout import layout_mismatch
 from tandem.kvtransfer import protocol as p
+from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.context import ConnectorContext, LoadFailure, log_send_error
 from tandem.kvtransfer.transport import RecvTransport, TransferError
 
@@ -82,7 +83,7 @@ class PeerLink:
         token = uuid.uuid4().bytes
         sock = ctx.zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, token)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)
@@ -105,7 +106,7 @@ class PeerLink:
     def send(self, msg: p.Message) -> None:
         if self.closed:
             return
-        fut = self.sock.send(p.encode_message(msg))
+        fut = self.sock.send(p.seal(msg, ctx_auth(self._ctx)))
         fut.add_done_callback(log_send_error)
 
     async def _handshake(self) -> None:
@@ -142,8 +143,18 @@ class PeerLink:
             ctx.count_failure(FailureReason.BAD_MESSAGE)
             return
         try:
-            msg = p.decode_message(frames[0])
+            msg = p.unseal(frames[0], ctx.auth)
         except p.ProtocolError as exc:
+            if exc.code == "unauthorized":
+                detail = (
+                    f"{self.address} answered with a frame not signed with our cluster token "
+                    "(it has another token?)"
+                )
+                log.warning("kv side channel: %s", detail)
+                ctx.count_failure(FailureReason.UNAUTHORIZED)
+                if not self.hello.done():
+                    set_future(self.hello, LoadFailure(FailureReason.UNAUTHORIZED, detail))
+                return
             log.warning("kv side channel: bad reply from %s: %s", self.address, exc)
             ctx.count_failure(FailureReason.BAD_MESSAGE)
             return
@@ -226,6 +237,11 @@ class PeerLink:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+
+
+def ctx_auth(ctx: ConnectorContext | None) -> FrameAuth:
+    assert ctx is not None
+    return ctx.auth
 
 
 def set_future(fut: asyncio.Future[p.HelloOk], value: p.HelloOk | LoadFailure) -> None:

@@ -1,8 +1,12 @@
 """Prefill side of the connector: leases on published blocks and the side-channel server.
 
-Decode's PULL is validated (engine id, handshake done, known request under an active lease,
-blocks in range and owned by that request), answered PULL_ACCEPTED, then the segments go out
-on the data transport, then PULL_DONE. Releases (decode's confirmation or failure, abort on
+Every frame must be sealed with the cluster token (refused unparsed otherwise). Decode's PULL is
+validated (engine id, handshake done, known request under an active lease, proof of the
+request's transfer secret for exactly this transfer and these blocks, blocks in range and owned
+by that request), answered PULL_ACCEPTED, then the segments go out on the data transport (each
+TCP message authenticated with the secret), then PULL_DONE. RENEW and RELEASE need the secret's
+holder proof too, so a peer that only has the cluster token can neither pin nor free another
+decode's blocks. Releases (decode's confirmation or failure, abort on
 either side, lease expiry) reach the engine through ``take_released``; while a transfer still
 reads the blocks the release waits for it (see ``lease.py``).
 """
@@ -18,6 +22,13 @@ import zmq.asyncio
 from tandem.engine.kv_connector import FailureReason, KVTransferParams
 from tandem.engine.kv_layout import layout_mismatch
 from tandem.kvtransfer import protocol as p
+from tandem.kvtransfer.auth import (
+    data_mac,
+    holder_proof,
+    new_transfer_secret,
+    proof_matches,
+    pull_proof,
+)
 from tandem.kvtransfer.context import ConnectorContext, log_send_error
 from tandem.kvtransfer.lease import LeaseTable, Released
 from tandem.kvtransfer.transport import TOKEN_BYTES, SendTransport, TransferError, block_bytes_view
@@ -35,6 +46,7 @@ _RELEASE_REASON = {
 @dataclass(slots=True)
 class _Published:
     block_ids: frozenset[int]
+    secret: str  # the grant's transfer secret (kv_transfer_params.transfer_secret)
     peer: bytes | None = None  # the decode that pulled, told if prefill aborts or expires
 
 
@@ -55,15 +67,15 @@ class PrefillSide:
         self._hello_peers: dict[bytes, None] = {}
         self._router: zmq.asyncio.Socket | None = None
 
-    async def start(self, host: str, port: int, advertise_host: str) -> None:
+    async def start(self, host: str, port: int, advertise_host: str, data_port: int = 0) -> None:
         router = self._ctx.zctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(f"tcp://{host}:{port}")
         self._router = router
         bound_port = router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
         self.side_channel_address = f"tcp://{advertise_host}:{bound_port}"
-        await self._send.start(host, advertise_host)
+        await self._send.start(host, advertise_host, data_port)
         self._ctx.spawn(self._serve())
 
     async def close(self) -> None:
@@ -80,6 +92,7 @@ class PrefillSide:
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("block ids must not repeat")
         assert self.side_channel_address is not None
+        secret = new_transfer_secret()
         params = KVTransferParams.from_dict(
             {
                 "engine_id": self._ctx.engine_id,
@@ -89,11 +102,12 @@ class PrefillSide:
                 "num_tokens": num_tokens,
                 "first_token_id": first_token_id,
                 "lease_seconds": self.lease_seconds,
+                "transfer_secret": secret,
             }
         )
         with self._ctx.lock:
             self._leases.add(request_id, self._ctx.clock(), self.lease_seconds)
-            self._published[request_id] = _Published(frozenset(block_ids))
+            self._published[request_id] = _Published(frozenset(block_ids), secret)
         return params
 
     def take_released(self) -> list[str]:
@@ -136,7 +150,7 @@ class PrefillSide:
     def _reply(self, ident: bytes, msg: p.Message) -> None:
         if self._router is None or self._router.closed:
             return
-        fut = self._router.send_multipart([ident, p.encode_message(msg)])
+        fut = self._router.send_multipart([ident, p.seal(msg, self._ctx.auth)])
         fut.add_done_callback(log_send_error)
 
     async def _serve(self) -> None:
@@ -157,12 +171,15 @@ class PrefillSide:
         xfer_id: int | None = None,
     ) -> None:
         log.warning("kv side channel: rejected message: %s: %s", code, message)
-        self._ctx.count_failure(
-            FailureReason.BAD_MESSAGE
-            if code
-            in ("malformed", "oversized", "version", "unknown_type", "invalid_field", "bad_framing")
-            else FailureReason.INVALID_REQUEST
-        )
+        if code == "unauthorized":
+            reason = FailureReason.UNAUTHORIZED
+        elif code in (
+            "malformed", "oversized", "version", "unknown_type", "invalid_field", "bad_framing"
+        ):  # fmt: skip
+            reason = FailureReason.BAD_MESSAGE
+        else:
+            reason = FailureReason.INVALID_REQUEST
+        self._ctx.count_failure(reason)
         self._reply(ident, p.Error(code, message[: p.MAX_TEXT_LEN], request_id, xfer_id))
 
     def _on_side_frames(self, frames: list[bytes]) -> None:
@@ -172,7 +189,7 @@ class PrefillSide:
             return
         ident, data = frames
         try:
-            msg = p.decode_message(data)
+            msg = p.unseal(data, self._ctx.auth)
         except p.ProtocolError as exc:
             self._reject(ident, exc.code, exc.message)
             return
@@ -234,6 +251,13 @@ class PrefillSide:
             problem = None
             if pub is None or not self._leases.is_active(msg.request_id):
                 code, problem = "unknown_request", f"request {msg.request_id!r} is not published"
+            elif not proof_matches(
+                pull_proof(
+                    pub.secret, self._ctx.engine_id, msg.request_id, msg.xfer_id, msg.segments
+                ),
+                msg.proof,
+            ):
+                code, problem = "unauthorized", "the pull does not prove the transfer's secret"
             else:
                 code = "invalid_request"
                 problem = p.check_pull_segments(
@@ -247,14 +271,15 @@ class PrefillSide:
             self._reject(ident, code, problem, msg.request_id, msg.xfer_id)
             return
         self._reply(ident, p.PullAccepted(msg.xfer_id))
-        self._ctx.spawn(self._serve_pull(ident, msg))
+        self._ctx.spawn(self._serve_pull(ident, msg, pub.secret))
 
-    async def _serve_pull(self, ident: bytes, msg: p.Pull) -> None:
+    async def _serve_pull(self, ident: bytes, msg: p.Pull, secret: str) -> None:
         assert self._send is not None
         views = [block_bytes_view(self._ctx.kv, start, n) for start, n in msg.segments]
+        mac = data_mac(secret, msg.xfer_id, [v.numel() for v in views])
         reason = None
         try:
-            await self._send.send(ident, msg.xfer_id, views, self._ctx.transfer_timeout)
+            await self._send.send(ident, msg.xfer_id, views, self._ctx.transfer_timeout, mac)
             if self._ctx.metrics is not None:
                 self._ctx.metrics.add_bytes("send", self._send.name, sum(v.numel() for v in views))
         except Exception as exc:  # TransferError, or anything a transport let escape
@@ -266,14 +291,27 @@ class PrefillSide:
                 self._apply_released(self._leases.end_transfer(msg.request_id, self._ctx.clock()))
         self._reply(ident, p.PullDone(msg.xfer_id, reason is None, reason))
 
+    def _holds(self, request_id: str, proof: str) -> bool:
+        """Caller holds the lock: whether ``proof`` shows the request's transfer secret."""
+        pub = self._published.get(request_id)
+        return pub is not None and proof_matches(
+            holder_proof(pub.secret, self._ctx.engine_id, request_id), proof
+        )
+
     def _on_renew(self, ident: bytes, msg: p.Renew) -> None:
         gone = []
+        refused = 0
         with self._ctx.lock:
-            for rid in msg.request_ids:
-                if msg.engine_id != self._ctx.engine_id or not self._leases.renew(
-                    rid, self._ctx.clock()
-                ):
+            for rid, proof in zip(msg.request_ids, msg.proofs, strict=True):
+                if msg.engine_id != self._ctx.engine_id:
                     gone.append(rid)
+                elif rid in self._published and not self._holds(rid, proof):
+                    refused += 1
+                    gone.append(rid)
+                elif not self._leases.renew(rid, self._ctx.clock()):
+                    gone.append(rid)
+        for _ in range(refused):
+            self._ctx.count_failure(FailureReason.UNAUTHORIZED)
         for rid in gone:
             why = "unknown request" if msg.engine_id == self._ctx.engine_id else "stale engine id"
             self._reply(ident, p.Aborted(msg.engine_id, rid, why))
@@ -285,6 +323,16 @@ class PrefillSide:
             )
             return
         with self._ctx.lock:
-            self._apply_released(
-                self._leases.release(msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock())
-            )
+            known = msg.request_id in self._published
+            allowed = known and self._holds(msg.request_id, msg.proof)
+            if allowed:
+                self._apply_released(
+                    self._leases.release(
+                        msg.request_id, _RELEASE_REASON[msg.kind], self._ctx.clock()
+                    )
+                )
+        if known and not allowed:
+            self._reject(
+                ident, "unauthorized", "the release does not prove the transfer's secret",
+                msg.request_id,
+            )  # fmt: skip

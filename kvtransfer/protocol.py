@@ -1,10 +1,14 @@
 """Side-channel wire protocol: message schema, version, limits and validation (pure functions).
 
-Every side-channel frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type>, ...}``.
-Decode (DEALER) sends HELLO, PULL, RENEW, RELEASE; prefill (ROUTER) answers HELLO_OK,
-PULL_ACCEPTED, PULL_DONE, ABORTED and ERROR. Nothing is ever unpickled: msgpack maps of plain
-scalars and lists only, with explicit per-field types and bounds. ``decode_message`` either
-returns a fully validated message or raises ``ProtocolError``; never partially checked data.
+Every side-channel frame is ``HMAC-SHA256(cluster token, body) || body`` (``seal`` / ``unseal``,
+see ``auth.py``): a frame whose MAC does not verify is refused before its body is parsed. The
+body is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type>, ...}``. Decode (DEALER) sends
+HELLO, PULL, RENEW, RELEASE; prefill (ROUTER) answers HELLO_OK, PULL_ACCEPTED, PULL_DONE,
+ABORTED and ERROR. PULL carries a proof of the transfer's secret bound to its transfer id and
+blocks; RENEW and RELEASE carry a proof per request. Nothing is ever unpickled: msgpack maps of
+plain scalars and lists only, with explicit per-field types and bounds. ``decode_message``
+either returns a fully validated message or raises ``ProtocolError``; never partially checked
+data.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from typing import Any
 
 import msgpack
 
+from tandem.engine.cluster_token import MAC_BYTES
 from tandem.engine.kv_connector import MAX_BLOCKS_PER_REQUEST, MAX_ID_LEN
 from tandem.engine.kv_layout import COMPATIBLE_FIELDS, KVLayout
+from tandem.kvtransfer.auth import PROOF_HEX_CHARS, FrameAuth, Unauthorized
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sealed frames, transfer proofs
 MAX_MESSAGE_BYTES = 1 << 20  # a 2**16-block pull is ~400 KiB of msgpack; anything bigger is hostile
-MAX_RENEW_IDS = 4096
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + MAC_BYTES  # a sealed frame on the socket
+MAX_RENEW_IDS = 2048  # ids of up to 256 characters and their proofs stay under the frame limit
 MAX_TEXT_LEN = 1024
 MAX_XFER_ID = (1 << 43) - 1  # UCX tags are xfer_id << 20 | segment, kept below bit 63
 # "sim": simulated workers (sim_transport.py), which must never pair with real ones.
@@ -77,6 +84,7 @@ class Pull:
     request_id: str
     xfer_id: int
     segments: tuple[tuple[int, int], ...]  # (first remote block id, number of blocks)
+    proof: str  # auth.pull_proof: the transfer's secret, bound to xfer_id and segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +106,7 @@ class PullDone:
 class Renew:
     engine_id: str
     request_ids: tuple[str, ...]
+    proofs: tuple[str, ...]  # auth.holder_proof of each request, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,7 @@ class Release:
     engine_id: str
     request_id: str
     kind: ReleaseKind
+    proof: str  # auth.holder_proof
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +165,7 @@ def encode_message(msg: Message) -> bytes:
                 "request_id": msg.request_id,
                 "xfer_id": msg.xfer_id,
                 "segments": [list(s) for s in msg.segments],
+                "proof": msg.proof,
             }
         case PullAccepted():
             body = {"t": MsgType.PULL_ACCEPTED.value, "xfer_id": msg.xfer_id}
@@ -170,6 +181,7 @@ def encode_message(msg: Message) -> bytes:
                 "t": MsgType.RENEW.value,
                 "engine_id": msg.engine_id,
                 "request_ids": list(msg.request_ids),
+                "proofs": list(msg.proofs),
             }
         case Release():
             body = {
@@ -177,6 +189,7 @@ def encode_message(msg: Message) -> bytes:
                 "engine_id": msg.engine_id,
                 "request_id": msg.request_id,
                 "kind": msg.kind.value,
+                "proof": msg.proof,
             }
         case Aborted():
             body = {
@@ -222,6 +235,21 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int, *, nullable: bool = F
         return None
     if type(value) is not int or not lo <= value <= hi:
         raise ProtocolError("invalid_field", f"{key!r} must be an int in [{lo}, {hi}]")
+    return value
+
+
+def _proof(body: dict[str, Any], key: str = "proof") -> str:
+    value = _field(body, key)
+    return _check_proof(value, key)
+
+
+def _check_proof(value: Any, key: str) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value) != PROOF_HEX_CHARS
+        or any(c not in "0123456789abcdef" for c in value)
+    ):
+        raise ProtocolError("invalid_field", f"{key!r} must be {PROOF_HEX_CHARS} hex characters")
     return value
 
 
@@ -313,6 +341,7 @@ def decode_message(data: bytes) -> Message:
                 _str(body, "request_id"),
                 _int(body, "xfer_id", 0, MAX_XFER_ID),
                 _segments(body),
+                _proof(body),
             )
         case MsgType.PULL_ACCEPTED:
             return PullAccepted(_int(body, "xfer_id", 0, MAX_XFER_ID))
@@ -331,13 +360,18 @@ def decode_message(data: bytes) -> Message:
             for rid in ids:
                 if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN:
                     raise ProtocolError("invalid_field", "'request_ids' entries must be ids")
-            return Renew(_str(body, "engine_id"), tuple(ids))
+            proofs = _field(body, "proofs")
+            if not isinstance(proofs, list) or len(proofs) != len(ids):
+                raise ProtocolError("invalid_field", "'proofs' must match 'request_ids'")
+            for proof in proofs:
+                _check_proof(proof, "proofs")
+            return Renew(_str(body, "engine_id"), tuple(ids), tuple(proofs))
         case MsgType.RELEASE:
             try:
                 kind = ReleaseKind(_field(body, "kind"))
             except ValueError:
                 raise ProtocolError("invalid_field", "'kind' must be done|failed|aborted") from None
-            return Release(_str(body, "engine_id"), _str(body, "request_id"), kind)
+            return Release(_str(body, "engine_id"), _str(body, "request_id"), kind, _proof(body))
         case MsgType.ABORTED:
             return Aborted(
                 _str(body, "engine_id"),
@@ -352,6 +386,23 @@ def decode_message(data: bytes) -> Message:
                 _int(body, "xfer_id", 0, MAX_XFER_ID, nullable=True),
             )
     raise AssertionError(mtype)  # pragma: no cover - the match is exhaustive
+
+
+def seal(msg: Message, auth: FrameAuth) -> bytes:
+    """One side-channel frame: the MAC under the cluster token, then the msgpack body."""
+    return auth.seal(encode_message(msg))
+
+
+def unseal(frame: bytes, auth: FrameAuth) -> Message:
+    """Verify a frame's MAC, then parse it; ProtocolError ``unauthorized`` (never parsed) when
+    the sender does not hold the cluster token."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("oversized", f"{len(frame)} bytes > limit {MAX_MESSAGE_BYTES}")
+    try:
+        body = auth.open(frame)
+    except Unauthorized as exc:
+        raise ProtocolError("unauthorized", str(exc)) from None
+    return decode_message(body)
 
 
 def check_pull_segments(

@@ -1,15 +1,20 @@
 """TCP fallback data path over pyzmq.
 
-Prefill binds a ROUTER; each decode connects a DEALER whose routing id is its connection token
-and says ``ready`` once, so prefill can address it. A transfer is one multipart message
-``[header, segment_0, ...]`` sent zero-copy from the KV cache (CPU) and copied once on arrival
-into the local blocks. The copy happens on the event loop, so once a waiter is gone nothing
-writes its views again.
+Prefill binds a ROUTER on ``host``; each decode connects a DEALER whose routing id is its
+connection token and says ``[ready, proof]`` once, where the proof is an HMAC of that token under
+the cluster token: prefill serves only connections that proved it. A transfer is one multipart
+message ``[header, segment_0, ...]`` sent zero-copy from the KV cache (CPU) and copied once on
+arrival into the local blocks. The header names the transfer and carries ``auth.data_mac``
+(the transfer's secret over its id and sizes); decode copies only when the message came in on
+the connection that transfer was opened on and the MAC verifies, and drops (and counts)
+anything else before a byte reaches a block. The copy happens on the event loop, so once a
+waiter is gone nothing writes its views again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import time
@@ -20,11 +25,15 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tandem.kvtransfer.transport import TOKEN_BYTES, TransferError
+from tandem.engine.cluster_token import MAC_BYTES
+from tandem.engine.kv_connector import FailureReason
+from tandem.kvtransfer.auth import FrameAuth, Unauthorized, data_mac, new_xfer_id
+from tandem.kvtransfer.transport import TOKEN_BYTES, DropCounter, TransferError
 
 log = logging.getLogger(__name__)
 
 _READY = b"ready"
+_LABEL = b"tcp-data"
 _MAX_HEADER = 1 << 20
 
 
@@ -35,21 +44,23 @@ def _host_array(view: torch.Tensor):  # noqa: ANN202 - numpy array, numpy is tor
 class TcpSendTransport:
     name = "tcp"
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth | None = None) -> None:
         self._ctx = ctx
+        self._auth = auth or FrameAuth(None)
         self._sock: zmq.asyncio.Socket | None = None
         self._ready: set[bytes] = set()
         self._reader: asyncio.Task[None] | None = None
         self.data_address = ""
+        self.refused = 0
 
-    async def start(self, host: str, advertise_host: str) -> None:
+    async def start(self, host: str, advertise_host: str, port: int = 0) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # this socket only ever receives "ready"
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{host}:0")
-        port = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
-        self.data_address = f"tcp://{advertise_host}:{port}"
+        sock.bind(f"tcp://{host}:{port}")
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        self.data_address = f"tcp://{advertise_host}:{bound}"
         self._sock = sock
         self._reader = asyncio.ensure_future(self._read())
 
@@ -57,8 +68,17 @@ class TcpSendTransport:
         assert self._sock is not None
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) != 2 or len(frames[0]) != TOKEN_BYTES or frames[1] != _READY:
+            if (
+                len(frames) != 3
+                or len(frames[0]) != TOKEN_BYTES
+                or frames[1] != _READY
+                or len(frames[2]) != MAC_BYTES
+            ):
                 log.warning("kv tcp data: dropped unexpected frame set (%d frames)", len(frames))
+                continue
+            if not self._auth.check_connect(_LABEL, frames[0], frames[2]):
+                self.refused += 1
+                log.warning("kv tcp data: refused a connection without the cluster token")
                 continue
             self._ready.add(frames[0])
             try:
@@ -67,11 +87,14 @@ class TcpSendTransport:
                 log.warning("kv tcp data: ready ack failed: %s", exc)
 
     async def send(
-        self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float
+        self, peer: bytes, xfer_id: int, views: list[torch.Tensor], timeout: float, mac: bytes
     ) -> None:
         if self._sock is None or peer not in self._ready:
             raise TransferError("tcp data channel of this peer is not connected")
-        header = msgpack.packb({"xfer_id": xfer_id, "sizes": [v.numel() for v in views]})
+        header = msgpack.packb(
+            {"xfer_id": xfer_id, "sizes": [v.numel() for v in views], "mac": mac},
+            use_bin_type=True,
+        )
         frames = [peer, header, *(_host_array(v) for v in views)]
         try:
             tracker = await asyncio.wait_for(
@@ -99,11 +122,15 @@ class TcpSendTransport:
 
 
 class _Waiter:
-    __slots__ = ("views", "future")
+    __slots__ = ("views", "future", "token", "secret")
 
-    def __init__(self, views: list[torch.Tensor], future: asyncio.Future[None]) -> None:
+    def __init__(
+        self, views: list[torch.Tensor], future: asyncio.Future[None], token: bytes, secret: str
+    ) -> None:
         self.views = views
         self.future = future
+        self.token = token
+        self.secret = secret
 
 
 class TcpRecvTransport:
@@ -111,15 +138,16 @@ class TcpRecvTransport:
     cancel_safe = True
     self_delimiting = True
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, auth: FrameAuth | None = None) -> None:
         self._ctx = ctx
+        self._auth = auth or FrameAuth(None)
         self._socks: dict[bytes, zmq.asyncio.Socket] = {}
         self._readers: dict[bytes, asyncio.Task[None]] = {}
         self._waiters: dict[int, _Waiter] = {}
-        self._ids = itertools.count(1)
+        self.on_dropped: DropCounter | None = None
 
     def new_xfer_id(self) -> int:
-        return next(self._ids)
+        return new_xfer_id(self._waiters)
 
     async def connect(self, data_address: str, token: bytes, timeout: float) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -127,40 +155,66 @@ class TcpRecvTransport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(data_address)
         try:
-            await sock.send(_READY)
+            await sock.send_multipart([_READY, self._auth.connect_proof(_LABEL, token)])
             ack = await asyncio.wait_for(sock.recv(), timeout)
         except TimeoutError:
             sock.close(linger=0)
-            raise TransferError(f"tcp data channel {data_address} did not answer") from None
+            raise TransferError(
+                f"tcp data channel {data_address} did not answer (another cluster token?)"
+            ) from None
         if ack != _READY:
             sock.close(linger=0)
             raise TransferError("tcp data channel answered garbage")
         self._socks[token] = sock
-        self._readers[token] = asyncio.ensure_future(self._read(sock))
+        self._readers[token] = asyncio.ensure_future(self._read(sock, token))
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket, token: bytes) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
             try:
-                self._deliver(frames)
+                self._deliver(frames, token)
             except Exception:  # a hostile peer must not kill the reader
                 log.exception("kv tcp data: failed to deliver a transfer")
 
-    def _deliver(self, frames: list[zmq.Frame]) -> None:
+    def _drop(self, reason: FailureReason, why: str) -> None:
+        log.warning("kv tcp data: %s; dropped", why)
+        if self.on_dropped is not None:
+            self.on_dropped(reason)
+
+    def _deliver(self, frames: list[zmq.Frame], token: bytes) -> None:
+        """Copy one transfer message into its views, or drop it: only on the connection its
+        transfer was opened on, only with a MAC of that transfer's secret, only whole."""
         if len(frames[0]) > _MAX_HEADER:
-            log.warning("kv tcp data: oversized header dropped")
+            self._drop(FailureReason.BAD_MESSAGE, "oversized header")
             return
         try:
             header = msgpack.unpackb(frames[0].bytes, raw=False)
-            xfer_id, sizes = header["xfer_id"], header["sizes"]
+            xfer_id, sizes, mac = header["xfer_id"], header["sizes"], header["mac"]
+            if not isinstance(mac, bytes) or not isinstance(sizes, list):
+                raise TypeError("mac must be bytes and sizes a list")
         except Exception:
-            log.warning("kv tcp data: malformed header dropped")
+            self._drop(FailureReason.BAD_MESSAGE, "malformed header")
             return
         waiter = self._waiters.get(xfer_id) if type(xfer_id) is int else None
-        if waiter is None or waiter.future.done():
-            log.warning("kv tcp data: transfer %r is unknown or cancelled; dropped", xfer_id)
+        if waiter is None or waiter.future.done() or waiter.token != token:
+            # Never opened here (a guess, a stale id, another peer's transfer): no block is
+            # touched, and the transfer it may have aimed at is left alone.
+            self._drop(FailureReason.UNKNOWN_TRANSFER, f"transfer {xfer_id!r} is not ours")
             return
         expected = [v.numel() for v in waiter.views]
+        try:
+            good = hmac.compare_digest(data_mac(waiter.secret, xfer_id, sizes), mac)
+        except (Unauthorized, TypeError, OverflowError, ValueError):
+            good = False
+        if not good:
+            # Fails this load, which counts it (reason unauthorized): not counted twice here.
+            log.warning("kv tcp data: transfer %s is not authenticated; dropped", xfer_id)
+            waiter.future.set_exception(
+                TransferError(
+                    "data did not prove the transfer's secret", FailureReason.UNAUTHORIZED
+                )
+            )
+            return
         got = [len(f) for f in frames[1:]]
         if sizes != expected or got != expected:
             waiter.future.set_exception(
@@ -173,11 +227,11 @@ class TcpRecvTransport:
                 view.copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
         waiter.future.set_result(None)
 
-    def expect(self, token: bytes, xfer_id: int, views: list[torch.Tensor]) -> None:
+    def expect(self, token: bytes, xfer_id: int, views: list[torch.Tensor], secret: str) -> None:
         if token not in self._socks:
             raise TransferError("tcp data channel of this peer is not connected")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[xfer_id] = _Waiter(views, future)
+        self._waiters[xfer_id] = _Waiter(views, future, token, secret)
 
     def forget(self, xfer_id: int) -> None:
         self._waiters.pop(xfer_id, None)

@@ -3,6 +3,11 @@
 Called by the reconciler on every create/update/resume/timer pass; the same spec and replica
 counts always give the same manifests, which is what makes reconciliation idempotent. The
 reconciler owns the API calls; nothing here touches the network.
+
+The cluster token is the one child that is not a function of the spec: the reconciler creates
+its Secret once with a random token (``cluster_secret.ensure_cluster_token``) and never
+rewrites it.
+Every pod mounts that Secret and reads the token from the file; no rendered spec holds it.
 """
 
 from __future__ import annotations
@@ -12,28 +17,24 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator import cluster_secret
+from tandem.operator.naming import (
+    CONFIG_HASH_ANNOTATION,
+    POOLS,
+    RUN_AS_USER,
+    UCX_TCP_PORT_RANGE,
+    Owner,
+    child_metadata,
+    child_name,
+    common_labels,
+    config_map_name,
+    kv_ports,
+    registry_url,
+    router_url,
+    selector_labels,
+)
+from tandem.operator.services import render_internal_service, render_service
 from tandem.operator.spec import PoolSpec, Resources, TandemServiceSpec
-
-GROUP = "tandem.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TandemService"
-PLURAL = "tandemservices"
-MANAGED_BY = "tandem-operator"
-SERVICE_LABEL = "tandem.dev/service"
-POOL_LABEL = "tandem.dev/pool"
-CONFIG_HASH_ANNOTATION = "tandem.dev/config-hash"
-POOLS = ("router", "prefill", "decode")
-RUN_AS_USER = 10001
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Identity of the TandemService that owns (and is the controller of) every child."""
-
-    name: str
-    namespace: str
-    uid: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,60 +43,6 @@ class Replicas:
 
     prefill: int
     decode: int
-
-
-def child_name(owner_name: str, pool: str) -> str:
-    return f"{owner_name}-{pool}"
-
-
-def config_map_name(owner_name: str) -> str:
-    return f"{owner_name}-config"
-
-
-def router_url(owner: Owner, spec: TandemServiceSpec) -> str:
-    return f"http://{child_name(owner.name, 'router')}.{owner.namespace}.svc:{spec.router.port}"
-
-
-def selector_labels(owner_name: str, pool: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "tandem",
-        "app.kubernetes.io/instance": owner_name,
-        "app.kubernetes.io/component": pool,
-    }
-
-
-def common_labels(owner_name: str, pool: str | None = None) -> dict[str, str]:
-    labels = {
-        "app.kubernetes.io/name": "tandem",
-        "app.kubernetes.io/instance": owner_name,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        "app.kubernetes.io/part-of": "tandem",
-        SERVICE_LABEL: owner_name,
-    }
-    if pool is not None:
-        labels["app.kubernetes.io/component"] = pool
-        labels[POOL_LABEL] = pool
-    return labels
-
-
-def owner_reference(owner: Owner) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": owner.name,
-        "uid": owner.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _metadata(owner: Owner, name: str, pool: str | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": owner.namespace,
-        "labels": common_labels(owner.name, pool),
-        "ownerReferences": [owner_reference(owner)],
-    }
 
 
 def render_config_map(owner: Owner, spec: TandemServiceSpec) -> dict[str, Any]:
@@ -112,12 +59,13 @@ def render_config_map(owner: Owner, spec: TandemServiceSpec) -> dict[str, Any]:
         "HOME": "/tmp",
         "XDG_CACHE_HOME": "/tmp/.cache",
         "TRITON_CACHE_DIR": "/tmp/.triton",
+        "UCX_TCP_PORT_RANGE": "{}-{}".format(*UCX_TCP_PORT_RANGE),
         "PYTHONUNBUFFERED": "1",
     }
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(owner, config_map_name(owner.name), None),
+        "metadata": child_metadata(owner, config_map_name(owner.name), None),
         "data": data,
     }
 
@@ -157,6 +105,10 @@ def router_args(owner: Owner, spec: TandemServiceSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(spec.router.port),
+        "--internal-port",
+        str(spec.router.internal_port),
+        "--cluster-token-file",
+        cluster_secret.TOKEN_PATH,
         "--policy",
         spec.router.policy,
         "--local-prefill-threshold",
@@ -183,10 +135,16 @@ def worker_args(owner: Owner, spec: TandemServiceSpec, role: str) -> list[str]:
         "--port",
         str(pool.port),
         "--router-url",
-        router_url(owner, spec),
+        registry_url(owner, spec),
+        "--cluster-token-file",
+        cluster_secret.TOKEN_PATH,
         "--kv-transport",
         spec.kv_transport,
     ]
+    kv = kv_ports(pool.port)
+    args += ["--kv-events-port", str(kv["kv-events"])]
+    if role == "prefill":
+        args += ["--kv-side-channel-port", str(kv["kv-side"]), "--kv-data-port", str(kv["kv-data"])]
     if spec.model.argument != spec.model.name:
         args += ["--served-model-name", spec.model.name]
     for key, value in sorted(pool.engine_options.items()):
@@ -231,8 +189,21 @@ def _deployment(
         {"name": "TANDEM_ADVERTISE_HOST", "value": "$(POD_IP)"},
         {"name": "TANDEM_ROLE", "value": pool},
     ]
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {
+            "name": "cluster-token",
+            "secret": {
+                "secretName": cluster_secret.secret_name(owner.name),
+                "defaultMode": 0o440,  # owner and group (fsGroup): the pod's user only
+            },
+        },
+    ]
+    # Not a subPath mount: a rotated Secret reaches the running pod, which re-reads the file.
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cluster-token", "mountPath": cluster_secret.TOKEN_DIR, "readOnly": True},
+    ]
     if worker is not None:
         # torch and UCX use /dev/shm; the default 64 MiB is too small for KV staging.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -264,13 +235,22 @@ def _deployment(
             }
         )
         mounts.append({"name": "model", "mountPath": pvc.mount_path, "readOnly": True})
+    ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    if pool == "router":
+        ports.append(
+            {"name": "internal", "containerPort": spec.router.internal_port, "protocol": "TCP"}
+        )
+    else:
+        kv = kv_ports(port)
+        names = ("kv-events", "kv-side", "kv-data") if pool == "prefill" else ("kv-events",)
+        ports += [{"name": n, "containerPort": kv[n], "protocol": "TCP"} for n in names]
     container: dict[str, Any] = {
         "name": pool,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": args,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
         "env": env,
         "readinessProbe": _probe("/health", period=5, failures=3),
@@ -284,9 +264,24 @@ def _deployment(
     if worker is not None:
         # Scale-down drain: the worker leaves the router's registry, refuses new requests and
         # finishes its in-flight ones (a prefill also waits for its pinned KV to be pulled)
-        # before Kubernetes sends SIGTERM; bounded by terminationGracePeriodSeconds.
+        # before Kubernetes sends SIGTERM; bounded by terminationGracePeriodSeconds. The drain
+        # route needs the cluster token, which an httpGet hook cannot send: `tandem drain`
+        # reads it from the mounted file.
         container["lifecycle"] = {
-            "preStop": {"httpGet": {"path": "/v1/internal/drain?timeout=50", "port": "http"}}
+            "preStop": {
+                "exec": {
+                    "command": [
+                        "tandem",
+                        "drain",
+                        "--port",
+                        str(port),
+                        "--timeout",
+                        "50",
+                        "--cluster-token-file",
+                        cluster_secret.TOKEN_PATH,
+                    ]  # fmt: skip
+                }
+            }
         }
     pod_spec: dict[str, Any] = {
         "securityContext": _pod_security(),
@@ -304,7 +299,7 @@ def _deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, child_name(owner.name, pool), pool),
+        "metadata": child_metadata(owner, child_name(owner.name, pool), pool),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(owner.name, pool)},
@@ -325,25 +320,6 @@ def _deployment(
                 "spec": pod_spec,
             },
         },
-    }
-
-
-def render_service(owner: Owner, spec: TandemServiceSpec, pool: str) -> dict[str, Any]:
-    """The router gets a normal Service; worker pools get headless ones (per-pod DNS)."""
-    port = {"router": spec.router.port, "prefill": spec.prefill.port, "decode": spec.decode.port}
-    service_spec: dict[str, Any] = {
-        "selector": selector_labels(owner.name, pool),
-        "ports": [{"name": "http", "port": port[pool], "targetPort": "http", "protocol": "TCP"}],
-    }
-    if pool == "router":
-        service_spec["type"] = spec.router.service_type
-    else:
-        service_spec["clusterIP"] = "None"
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(owner, child_name(owner.name, pool), pool),
-        "spec": service_spec,
     }
 
 
@@ -385,4 +361,5 @@ def render_children(
             )
         )
     children += [render_service(owner, spec, pool) for pool in POOLS]
+    children.append(render_internal_service(owner, spec))
     return children

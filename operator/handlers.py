@@ -22,19 +22,25 @@ from typing import Any
 import aiohttp
 import kopf
 
+from tandem.operator import cluster_secret
 from tandem.operator.autoscaler import Decision, Pool, PoolState, decide
-from tandem.operator.children import (
+from tandem.operator.children import Replicas, render_children
+from tandem.operator.cluster_secret import (
+    ClusterTokenProblem,
+    delete_cluster_token,
+    ensure_cluster_token,
+)
+from tandem.operator.kube import KubeAPIError, KubeClient, object_path
+from tandem.operator.naming import (
     GROUP,
     KIND,
     MANAGED_BY,
     PLURAL,
     VERSION,
     Owner,
-    Replicas,
-    render_children,
+    cluster_token_metadata,
     router_url,
 )
-from tandem.operator.kube import KubeAPIError, KubeClient, object_path
 from tandem.operator.opmetrics import OperatorMetrics
 from tandem.operator.planner_client import PlannerClient
 from tandem.operator.planner_steps import (
@@ -62,7 +68,12 @@ from tandem.operator.scaling import (
 )
 from tandem.operator.signals import DirectSource, PrometheusSource, SignalSource
 from tandem.operator.spec import MetricsSource, SpecError, TandemServiceSpec, parse_spec
-from tandem.operator.status import DegradedReason, Problem, build_status
+from tandem.operator.status import (
+    DegradedReason,
+    Problem,
+    build_status,
+    with_metrics_condition,
+)
 
 FINALIZER = "tandem.dev/finalizer"
 
@@ -103,6 +114,7 @@ class ObjectState:
         self.source_key: tuple[Any, ...] | None = None
         self.last_autoscale: float | None = None
         self.last_reasons: dict[Pool, str] = {}
+        self.last_metrics_error: str | None = None
         # A pass is queued on the lock: later triggers can rely on it (it re-reads everything).
         self.queued = False
 
@@ -187,6 +199,16 @@ class Controller:
             status = {**status, "autoscaling": {**(status.get("autoscaling") or {}),
                                                 "planner": step.status}}  # fmt: skip
         if spec is not None:
+            try:
+                if await ensure_cluster_token(
+                    self.client, cluster_token_metadata(owner), owner.uid
+                ):
+                    secret = cluster_secret.secret_name(owner.name)
+                    kopf.event(body, type="Normal", reason="ChildCreated",
+                               message=f"Secret/{secret}")  # fmt: skip
+            except ClusterTokenProblem as exc:
+                problem = Problem(DegradedReason.CLUSTER_TOKEN, str(exc))
+        if spec is not None and problem is None:
             children = render_children(owner, spec, effective_replicas(spec, status))
             try:
                 applied = await apply_children(self.client, owner, children)
@@ -222,6 +244,27 @@ class Controller:
             await self.patch_status(body, new)
         return spec if problem is None else None
 
+    async def _report_metrics_source(
+        self, body: dict[str, Any], source: SignalSource, state: ObjectState
+    ) -> None:
+        """MetricsAvailable and an Event when the metrics source starts or stops answering:
+        a failing or hostile Prometheus degrades this TandemService's autoscaling only."""
+        error = getattr(source, "last_error", None)
+        meta = body["metadata"]
+        # Re-read: this pass's apply may have changed the other conditions since ``body``.
+        fresh = await self.fetch(meta["namespace"], meta["name"]) or body
+        conditions = (fresh.get("status") or {}).get("conditions") or []
+        new = with_metrics_condition(conditions, error, _now_text())
+        if not is_subset(new, conditions) or len(new) != len(conditions):
+            await self.patch_status(body, {"conditions": new})
+        if error != state.last_metrics_error:
+            if error is not None:
+                kopf.event(body, type="Warning", reason="MetricsUnavailable", message=error)
+            elif state.last_metrics_error is not None:
+                kopf.event(body, type="Normal", reason="MetricsAvailable",
+                           message="the metrics source answers again")  # fmt: skip
+            state.last_metrics_error = error
+
     def _source(self, spec: TandemServiceSpec, state: ObjectState, body: Mapping) -> SignalSource:
         a = spec.autoscaling
         key = (a.metrics, a.warmup_seconds)
@@ -252,6 +295,7 @@ class Controller:
         moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
         pods = await list_pods(self.client, owner, spec, moment)
         signals = await source.collect(self.http, pods, now)
+        await self._report_metrics_source(body, source, state)
         pools = await read_pools(self.client, owner)
         pols = policies(spec)
         decisions: dict[Pool, Decision] = {}
@@ -373,6 +417,8 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         state = states.pop((namespace, name), None) or ObjectState()
         async with state.lock:
             deleted = await delete_children(controller.client, Owner(name, namespace, uid))
+            if await delete_cluster_token(controller.client, namespace, name, uid):
+                deleted.append(f"Secret/{cluster_secret.secret_name(name)}")
         metrics.forget(namespace, name)
         if deleted:
             kopf.event(body, type="Normal", reason="ChildrenDeleted", message=", ".join(deleted))

@@ -21,6 +21,7 @@ import kopf
 MERGE_PATCH = "application/merge-patch+json"
 PLURALS = {
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
     "Service": "services",
     "Deployment": "deployments",
     "Pod": "pods",

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from tandem.operator.children import POOL_LABEL, SERVICE_LABEL, Owner, child_name
 from tandem.operator.kube import KubeAPIError, KubeClient, object_path
+from tandem.operator.naming import POOL_LABEL, SERVICE_LABEL, Owner, child_name
 from tandem.operator.signals import PodInfo
 from tandem.operator.spec import TandemServiceSpec
 

@@ -13,6 +13,7 @@ includes time spent queued.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -227,8 +228,18 @@ def parse_scalar_result(body: Any) -> float | None:
     return None if math.isnan(number) else number
 
 
+MAX_PROMETHEUS_REPLY_BYTES = 1 << 20  # one instant query's JSON; more is not Prometheus
+
+
 class PrometheusSource:
-    """Reads the same signals from a Prometheus HTTP API (instant queries over `window`)."""
+    """Reads the same signals from a Prometheus HTTP API (instant queries over `window`).
+
+    The URL is the tenant's (spec.autoscaling.metrics.prometheusUrl), so it is treated as
+    hostile: no redirects, each reply read under a size cap, every query and the whole
+    collection under a deadline, and any failure, including garbage, only means "no signals"
+    for this TandemService (``last_error`` says why; the handler turns it into the
+    MetricsAvailable condition and an Event).
+    """
 
     def __init__(
         self,
@@ -237,18 +248,37 @@ class PrometheusSource:
         window_seconds: int,
         warmup_seconds: float,
         timeout_seconds: float = 5.0,
+        max_reply_bytes: int = MAX_PROMETHEUS_REPLY_BYTES,
     ) -> None:
         self._url = base_url.rstrip("/") + "/api/v1/query"
         self._selector = selector
         self._window = window_seconds
         self._warmup = warmup_seconds
+        self._deadline = timeout_seconds
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._max_reply = max_reply_bytes
+        self.last_error: str | None = None
 
     async def _query(self, session: aiohttp.ClientSession, promql: str) -> float | None:
-        async with session.get(self._url, params={"query": promql}, timeout=self._timeout) as r:
-            if r.status >= 500:
-                raise PromQueryError(f"prometheus answered {r.status}")
-            return parse_scalar_result(await r.json(content_type=None))
+        async with session.get(
+            self._url, params={"query": promql}, timeout=self._timeout, allow_redirects=False
+        ) as r:
+            if r.status >= 300:
+                raise PromQueryError(f"prometheus answered HTTP {r.status}")
+            raw = bytearray()
+            while len(raw) <= self._max_reply:
+                chunk = await r.content.read(self._max_reply + 1 - len(raw))
+                if not chunk:
+                    break
+                raw += chunk
+            if len(raw) > self._max_reply:
+                raise PromQueryError(f"prometheus reply exceeds {self._max_reply} bytes")
+            try:
+                return parse_scalar_result(json.loads(raw))
+            except (
+                ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError
+            ) as exc:  # fmt: skip
+                raise PromQueryError(f"unreadable prometheus reply: {type(exc).__name__}") from None
 
     async def collect(
         self, session: aiohttp.ClientSession, pods: Sequence[PodInfo], now: float
@@ -256,9 +286,14 @@ class PrometheusSource:
         cold = sorted(p.name for p in pods if p.pool != "router" and not p.warm(self._warmup))
         queries = promql_queries(self._selector, self._window, cold)
         try:
-            values = await asyncio.gather(*(self._query(session, q) for q in queries.values()))
-        except (aiohttp.ClientError, TimeoutError, PromQueryError):
+            values = await asyncio.wait_for(
+                asyncio.gather(*(self._query(session, q) for q in queries.values())),
+                self._deadline + 1.0,
+            )
+        except (aiohttp.ClientError, TimeoutError, PromQueryError, ValueError) as exc:
+            self.last_error = _describe(self._url, exc)
             return {Pool.PREFILL: None, Pool.DECODE: None}
+        self.last_error = None
         v = dict(zip(queries, values, strict=True))
         if v["arrivals"] is None:
             # No router series at all: the service is not being scraped (yet).
@@ -282,3 +317,14 @@ class PrometheusSource:
             Pool.PREFILL: pool_signals("prefill", "ttft_p90", "prefill_tokens"),
             Pool.DECODE: pool_signals("decode", "itl_p90", "decode_tokens"),
         }
+
+
+def _describe(url: str, exc: BaseException) -> str:
+    """A short, bounded reason for the condition and the Event (never the reply itself)."""
+    if isinstance(exc, TimeoutError):
+        what = "timed out"
+    elif isinstance(exc, PromQueryError):
+        what = str(exc)
+    else:
+        what = type(exc).__name__
+    return f"{url}: {what}"[:300]

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_IMAGE = "ghcr.io/tandem-llm/tandem:0.1.0"
 # PromQL label matchers that select one service's series; {namespace} and {name} expand.
@@ -21,6 +22,8 @@ ROUTER_POLICIES = ("prefix-aware", "least-load", "round-robin")
 TRANSPORTS = ("ucx", "tcp")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# A worker pool's KV listeners take the ports right after its HTTP port (naming.kv_ports).
+KV_PORT_OFFSETS = {"kv-events": 1, "kv-side": 2, "kv-data": 3}
 
 
 class SpecError(ValueError):
@@ -70,6 +73,7 @@ class RouterSpec:
     local_prefill_threshold: int = 64
     prefill_overload_queue: int = 0
     port: int = 8000
+    internal_port: int = 8001  # the workers' registry listener, never on the public Service
     service_type: str = "ClusterIP"
     api_key_secret: APIKeySecret | None = None
     resources: Resources = field(default_factory=Resources)
@@ -248,8 +252,16 @@ def _metrics(raw: Mapping[str, Any], where: str) -> MetricsSpec:
     source_name = _str(raw, "source", "direct", where, choices=("direct", "prometheus"))
     source = MetricsSource[source_name.upper()]
     url = _str(raw, "prometheusUrl", "", where)
-    if source is MetricsSource.PROMETHEUS and not url.startswith(("http://", "https://")):
-        raise SpecError(f"{where}.prometheusUrl must be an http(s) URL when source is prometheus")
+    if source is MetricsSource.PROMETHEUS:
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises on a malformed port
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SpecError(
+                f"{where}.prometheusUrl must be an http(s) URL when source is prometheus"
+            )
     return MetricsSpec(
         source=source,
         prometheus_url=url.rstrip("/"),
@@ -373,15 +385,23 @@ def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
         local_prefill_threshold=_int(router_raw, "localPrefillThreshold", 64, "spec.router"),
         prefill_overload_queue=_int(router_raw, "prefillOverloadQueue", 0, "spec.router"),
         port=_int(router_raw, "port", 8000, "spec.router", minimum=1),
+        internal_port=_int(router_raw, "internalPort", 8001, "spec.router", minimum=1),
         service_type=_str(router_raw, "serviceType", "ClusterIP", "spec.router", SERVICE_TYPES),
         api_key_secret=secret,
         resources=_resources(router_raw, "spec.router"),
     )
     prefill = _pool(_section(raw, "prefill", "spec"), "spec.prefill", 8100)
     decode = _pool(_section(raw, "decode", "spec"), "spec.decode", 8200)
-    ports = {router.port, prefill.port, decode.port}
-    if len(ports) != 3:
-        raise SpecError("spec.router.port, spec.prefill.port and spec.decode.port must differ")
+    # Each worker pool also listens on the three ports after its own (KV events, side
+    # channel, data: children.kv_ports), so the pools' ranges may not overlap.
+    ports = [router.port, router.internal_port]
+    for pool in (prefill, decode):
+        ports += [pool.port, *(pool.port + off for off in KV_PORT_OFFSETS.values())]
+    if len(set(ports)) != len(ports) or max(ports) > 65535:
+        raise SpecError(
+            "spec.router.port, spec.router.internalPort, spec.prefill.port and spec.decode.port "
+            "must differ (each pool also uses the 3 ports after its own for KV)"
+        )
     kv_raw = _section(raw, "kvTransfer", "spec")
     autoscaling = _autoscaling(_section(raw, "autoscaling", "spec"), "spec.autoscaling")
     if decode.replicas == 0 and not autoscaling.enabled:

@@ -19,16 +19,23 @@ class ConditionType(IntEnum):
     READY = 1
     PROGRESSING = 2
     DEGRADED = 3
+    METRICS_AVAILABLE = 4  # owned by the autoscaler: its metrics source answers sanely
 
     @property
     def label(self) -> str:
-        return self.name.capitalize()
+        return "".join(part.capitalize() for part in self.name.split("_"))
+
+
+_RECONCILER_CONDITIONS = frozenset(
+    t.label for t in (ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+)
 
 
 class DegradedReason(IntEnum):
     INVALID_SPEC = 1
     CHILD_CONFLICT = 2
     APPLY_FAILED = 3
+    CLUSTER_TOKEN = 4  # the cluster-token Secret is missing, foreign or unusable
 
     @property
     def camel(self) -> str:
@@ -134,6 +141,12 @@ def build_status(
     conditions = [
         c.to_dict(previous.get(c.type.label), now) for c in conditions_for(pools, problem)
     ]
+    # Conditions other owners keep (the autoscaler's MetricsAvailable) pass through unchanged.
+    conditions += [
+        dict(c)
+        for t, c in previous.items()
+        if isinstance(t, str) and t not in _RECONCILER_CONDITIONS
+    ]
     status: dict[str, Any] = {"conditions": conditions}
     if problem is None and generation is not None:
         status["observedGeneration"] = generation
@@ -146,3 +159,20 @@ def build_status(
     if endpoint is not None:
         status["endpoint"] = endpoint
     return status
+
+
+def with_metrics_condition(
+    previous_conditions: Sequence[Mapping[str, Any]], error: str | None, now: str
+) -> list[dict[str, Any]]:
+    """The conditions list with the autoscaler's MetricsAvailable set from its last collect
+    (``error`` None: the source answered)."""
+    label = ConditionType.METRICS_AVAILABLE.label
+    kept = [dict(c) for c in previous_conditions if isinstance(c, Mapping)]
+    previous = next((c for c in kept if c.get("type") == label), None)
+    condition = Condition(
+        ConditionType.METRICS_AVAILABLE,
+        error is None,
+        "Answering" if error is None else "MetricsUnavailable",
+        error or "",
+    )
+    return [c for c in kept if c.get("type") != label] + [condition.to_dict(previous, now)]

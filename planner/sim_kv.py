@@ -17,6 +17,8 @@ from tandem.planner.events import EventLoop
 
 SIDE_CHANNEL = "tcp://simulated:1"
 LEASE_SECONDS = 10.0
+# Nothing is authenticated on the virtual clock; the params still carry a well-formed secret.
+TRANSFER_SECRET = "0" * 64
 
 
 class KVFabric:
@@ -89,6 +91,7 @@ class SimConnector:
             num_tokens=num_tokens,
             first_token_id=first_token_id,
             lease_seconds=LEASE_SECONDS,
+            transfer_secret=TRANSFER_SECRET,
         )
 
     def take_released(self) -> list[str]:

@@ -36,6 +36,9 @@ class PrefillRole:
             lease_seconds=self.kv_lease_seconds,
             metrics=metrics,
             engine_id=ctx.engine_id,
+            cluster_token=ctx.cluster_token,
+            side_channel_port=ctx.kv_side_channel_port,
+            data_port=ctx.kv_data_port,
             simulated=parts.simulated_transfer,
         )
         return PrefillHooks(self.connector)

@@ -7,8 +7,9 @@ parsing and validation live in ``protocol``, request serving in ``serving``, orc
 
 ``/health`` answers 200 whenever the router itself serves, with worker counts in the body: in
 Kubernetes workers register through the router's Service, which only routes to ready pods, so
-readiness must not wait for workers. ``/internal/workers/*`` is the workers' registration API
-(docs/internal-api.md); it is not behind the API key, so keep it off public ingress.
+readiness must not wait for workers. The workers' registration API is not on this app: it is
+``internal_app.create_internal_app``, served on its own listener (``--internal-port``) behind the
+cluster token.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.engine.model_path import resolve_model_path
 from tandem.engine.role import Role
-from tandem.router.errors import OpenAIError, bad_request
+from tandem.router.errors import OpenAIError
 from tandem.router.metrics import RouterMetrics
-from tandem.router.protocol import parse_body
-from tandem.router.registry import Heartbeat, WorkerInfo
 from tandem.router.serving import handle_generation
 from tandem.router.sse import Kind
-from tandem.router.state import RouterConfig, RouterState
+from tandem.router.state import RouterConfig, RouterState, model_context_limit
 from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import MAX_LINE_BYTES
 
@@ -67,8 +66,9 @@ def create_app(
             read_bufsize=MAX_LINE_BYTES,
             raise_for_status=False,
         )
+        max_context = await asyncio.to_thread(model_context_limit, config)
         async with session as http:
-            state = RouterState(config, metrics, enc, http, clock)
+            state = RouterState(config, metrics, enc, http, clock, max_context)
             app.state.router = state
             expiry = asyncio.create_task(_expire_loop(state, config.expiry_interval_s))
             try:
@@ -80,6 +80,7 @@ def create_app(
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.metrics = metrics
+    app.state.router_config = config
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> Response:
@@ -114,6 +115,9 @@ def create_app(
             "object": "model",
             "created": 0,
             "owned_by": "tandem",
+            # The tokenizer directory, as vLLM's card names its model path: `tandem bench` (and
+            # any benchmark client) loads the same tokenizer from it.
+            "root": config.model_path or config.model,
             "max_model_len": s.registry.max_model_len(),
         }
         return JSONResponse({"object": "list", "data": [card]})
@@ -127,35 +131,6 @@ def create_app(
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/internal/workers/register")
-    async def register(request: Request) -> Response:
-        s = st(request)
-        info = WorkerInfo.from_json(parse_body(await request.body(), 1024 * 1024))
-        s.register(info)
-        log.info("registered %s worker %s at %s", info.role.label, info.engine_id, info.url)
-        return JSONResponse({"registered": True, "heartbeat_timeout_s": config.heartbeat_timeout_s})
-
-    @app.post("/internal/workers/heartbeat")
-    async def heartbeat(request: Request) -> Response:
-        hb = Heartbeat.from_json(parse_body(await request.body(), 64 * 1024))
-        if not st(request).registry.heartbeat(hb):
-            return OpenAIError(
-                404, "unknown engine_id: register again", code="unknown_worker"
-            ).response()
-        return JSONResponse({"ok": True})
-
-    @app.post("/internal/workers/deregister")
-    async def deregister(request: Request) -> Response:
-        body = parse_body(await request.body(), 64 * 1024)
-        engine_id = body.get("engine_id")
-        if not isinstance(engine_id, str):
-            raise bad_request("engine_id must be a string", "engine_id")
-        return JSONResponse({"deregistered": st(request).deregister(engine_id)})
-
-    @app.get("/internal/workers")
-    async def list_workers(request: Request) -> Response:
-        return JSONResponse({"workers": [w.describe() for w in st(request).registry.all()]})
 
     return app
 

@@ -1,14 +1,26 @@
-"""``tandem router``: serve the router app with uvicorn. ``main(argv) -> int``."""
+"""``tandem router``: serve the router with uvicorn. ``main(argv) -> int``.
+
+Two listeners in one process and one event loop: the public app (clients: ``--host``/``--port``)
+and the internal app (workers: ``--internal-host``/``--internal-port``, behind the cluster
+token). The public app's lifespan owns the shared state, so it starts first.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
+from tandem.engine.request_limits import MAX_REQUEST_BYTES
 from tandem.router.placement import Policy
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="name clients and workers use (default: --model as given); match the workers'",
     )  # fmt: skip
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the public (client) port")
+    p.add_argument(
+        "--internal-port", type=int, default=8001,
+        help="the workers' registry listener (cluster token required)",
+    )  # fmt: skip
+    p.add_argument("--internal-host", default=None, help="its bind address (default --host)")
+    p.add_argument(
+        "--cluster-token-file", default=None, metavar="PATH",
+        help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}); never pass the token itself",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="BYTES",
+        help="largest client request body; bigger ones get 413 while they arrive",
+    )  # fmt: skip
     p.add_argument("--policy", default="prefix-aware",
                    choices=[pol.label for pol in Policy])  # fmt: skip
     p.add_argument(
@@ -62,12 +87,17 @@ def main(argv: list[str]) -> int:
     if args.prefill_overload_queue < 0:
         print("--prefill-overload-queue must be >= 0", file=sys.stderr)
         return 2
+    if args.max_request_bytes < 1024:
+        print("--max-request-bytes must be at least 1024", file=sys.stderr)
+        return 2
+    if args.internal_port == args.port:
+        print("--internal-port must differ from --port", file=sys.stderr)
+        return 2
     try:
         keys = api_keys_from(args)
     except (OSError, ValueError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
 
     from tandem.engine.model_path import resolve_model_path
     from tandem.router.app import RouterConfig, create_app
@@ -82,6 +112,11 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
+    try:
+        token = ClusterToken.require(args.cluster_token_file)
+    except ValueError as exc:  # TokenError: missing, unreadable or malformed
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         model=args.served_model_name or args.model,
         model_path=model_path,
@@ -90,15 +125,49 @@ def main(argv: list[str]) -> int:
         prefill_overload_queue=args.prefill_overload_queue,
         api_keys=keys,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        max_body_bytes=args.max_request_bytes,
+        cluster_token=token,
     )
-    uvicorn.run(
-        create_app(config),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+    app = create_app(config)
+    asyncio.run(
+        serve_both(
+            app,
+            (args.host, args.port),
+            (args.internal_host or args.host, args.internal_port),
+            args.log_level,
+        )
     )
     return 0
+
+
+async def serve_both(
+    app: FastAPI, public: tuple[str, int], internal: tuple[str, int], log_level: str
+) -> None:
+    """Serve ``app`` on ``public`` and its internal app on ``internal`` until a signal stops
+    both (uvicorn's handlers set ``should_exit``; the second server follows the first)."""
+    import uvicorn
+
+    from tandem.router.internal_app import create_internal_app
+
+    def server(asgi: object, addr: tuple[str, int], lifespan: str) -> uvicorn.Server:
+        cfg = uvicorn.Config(asgi, host=addr[0], port=addr[1], log_level=log_level,
+                             lifespan=lifespan, timeout_graceful_shutdown=5)  # fmt: skip
+        return uvicorn.Server(cfg)
+
+    outer = server(app, public, "on")
+    inner = server(create_internal_app(app), internal, "off")
+    outer_task = asyncio.create_task(outer.serve())
+    while not outer.started:
+        if outer_task.done():
+            return await outer_task  # failed to start (port in use, lifespan error)
+        await asyncio.sleep(0.02)
+    inner_task = asyncio.create_task(inner.serve())
+    done, _ = await asyncio.wait({outer_task, inner_task}, return_when=asyncio.FIRST_COMPLETED)
+    outer.should_exit = inner.should_exit = True
+    await asyncio.gather(outer_task, inner_task, return_exceptions=True)
+    for task in done:
+        if task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 The app starts a subscription when a worker registers and stops it when the worker leaves; the
 ``KvEventSubscriber`` owns the ZMQ context and every socket. Each task first loads a snapshot
 (``/v1/internal/kv_blocks``, whose ``seq`` is the number of the next message the worker will
-publish), then applies events in sequence order; a gap, a foreign engine id or a
-malformed message triggers another snapshot. Messages are msgpack data only, size-limited; the
-codec is the engine's (``tandem.engine.kv_events``), shared with the workers' publisher.
-"""
+publish), then applies events in sequence order; a gap, a foreign engine id or a malformed message
+triggers another snapshot. With a cluster token, each subscription logs in with ZMQ's PLAIN
+mechanism (password: the token), which the worker's publisher checks. Messages are msgpack data
+only, size-limited; the codec is the engine's (``tandem.engine.kv_events``), shared with the
+workers' publisher."""
 
 from __future__ import annotations
 
@@ -16,12 +17,26 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from tandem.engine.kv_events import MAX_MESSAGE_BYTES, TOPIC, MalformedEvent, decode_batch
+from tandem.engine.cluster_token import ClusterToken
+from tandem.engine.kv_events import (
+    MAX_MESSAGE_BYTES,
+    PLAIN_USERNAME,
+    TOPIC,
+    MalformedEvent,
+    decode_batch,
+)
 from tandem.router.prefix_index import ApplyResult, PrefixIndex
 from tandem.router.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class KvEventSubscriber:
@@ -33,7 +48,11 @@ class KvEventSubscriber:
         client: WorkerClient,
         on_event: Callable[[str, ApplyResult], None] | None = None,
         resync_backoff_s: float = 0.5,
+        token: ClusterToken | None = None,
+        connect_wait_s: float = 5.0,
     ) -> None:
+        self._token = token
+        self._connect_wait_s = connect_wait_s
         self._index = index
         self._client = client
         self._on_event = on_event
@@ -72,13 +91,44 @@ class KvEventSubscriber:
                 log.warning("kv resync of %s failed: %s", engine_id, exc)
             await asyncio.sleep(self._backoff)
 
+    async def _connected(self, sock: zmq.asyncio.Socket, engine_id: str, endpoint: str) -> None:
+        """Connect and wait (bounded) for the ZMTP handshake, so the snapshot that follows is
+        not older than the first event we can receive; a refused token is logged, once."""
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        try:
+            sock.connect(endpoint)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._connect_wait_s
+            warned = False
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    frames = await asyncio.wait_for(monitor.recv_multipart(), left)
+                except TimeoutError:
+                    break
+                event = parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not warned:
+                    warned = True
+                    log.error(
+                        "kv events of %s (%s) refused our cluster token; retrying",
+                        engine_id, endpoint,
+                    )  # fmt: skip
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
     async def _run(self, engine_id: str, endpoint: str, worker_url: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if self._token is not None:
+            # The publisher's ZAP handler checks the password against its accepted tokens.
+            sock.plain_username = PLAIN_USERNAME
+            sock.plain_password = self._token.current.encode()
         try:
-            sock.connect(endpoint)
+            await self._connected(sock, engine_id, endpoint)
             await self._resync(engine_id, worker_url)
             while True:
                 frames = await sock.recv_multipart()

@@ -14,13 +14,30 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tandem.engine.request_limits import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    LimitError,
+    check_choices,
+    check_stop,
+    check_stop_token_ids,
+)
 from tandem.router.errors import OpenAIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
-MAX_STOP_STRINGS = 16
-MAX_N = 128
-MAX_LOGPROBS = 20
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_STOP_STRINGS"]  # re-exported: one definition of each
+
+# apply_chat_template's own parameters: passing them as "template kwargs" would change what is
+# rendered (another template, tokenized output, tools) instead of setting a template variable.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools", "documents",
+    "add_generation_prompt", "continue_final_message", "conversation", "messages",
+})  # fmt: skip
+MAX_TEMPLATE_KWARGS = 8
+MAX_TEMPLATE_KWARG_CHARS = 256
 
 
 class _Strict(BaseModel):
@@ -81,8 +98,10 @@ class _SamplingFields(_Strict):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+        try:
+            check_stop(items)
+        except LimitError as exc:
+            raise ValueError(exc.message) from None
         if any(s == "" for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return v
@@ -90,8 +109,13 @@ class _SamplingFields(_Strict):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative")
+        if v is not None:
+            try:
+                check_stop_token_ids(v)
+            except LimitError as exc:
+                raise ValueError(exc.message) from None
+            if any(t < 0 for t in v):
+                raise ValueError("stop_token_ids must be non-negative")
         return v
 
     @model_validator(mode="after")
@@ -157,6 +181,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
+        try:
+            check_choices(len(self.prompts()), self.n)
+        except LimitError as exc:
+            raise _ParamError(exc.param, exc.message) from None
         if self.echo:
             raise _ParamError("echo", "echo is not supported")
         if self.suffix is not None:
@@ -189,6 +217,26 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise _ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Template variables only (e.g. ``enable_thinking``): scalar values, a few of them,
+        never the renderer's own parameters (another template, tokenize, tools, ...)."""
+        if not v:
+            return v
+        if len(v) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs are allowed")
+        for key, value in v.items():
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"{key!r} may not be set through chat_template_kwargs")
+            if not key.isidentifier() or key.startswith("_"):
+                raise ValueError(f"{key!r} is not a template variable name")
+            if value is not None and not isinstance(value, bool | int | float | str):
+                raise ValueError(f"{key!r} must be a boolean, number, string or null")
+            if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
+                raise ValueError(f"{key!r} may be at most {MAX_TEMPLATE_KWARG_CHARS} characters")
+        return v
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the current name; max_tokens the deprecated one.

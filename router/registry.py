@@ -3,18 +3,72 @@
 Pure and synchronous with an injected clock; the app calls it from the registration endpoints and
 from a periodic expiry task, and placement reads ``WorkerState`` snapshots. A worker re-registering
 from the same URL with a new engine id (a restart) replaces the old entry.
+
+A worker is who it first said it was: a live engine id stays bound to the registration it made
+(URL, role, sizes) until it deregisters or expires; a different registration under that id is
+refused with 409, so nobody can take over a live worker's slot. Every field is validated and
+bounded (``url`` is ``scheme://host:port`` only; endpoints are ``tcp://host:port``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from tandem.engine.role import Role
-from tandem.router.errors import bad_request
+from tandem.router.errors import OpenAIError, bad_request
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+MAX_WORKERS = 4096
+MAX_ID_LEN = 256
+MAX_NAME_LEN = 512
+MAX_BLOCK_SIZE = 1024
+MAX_MODEL_LEN = 1 << 24
+MAX_NUM_BLOCKS = 1 << 26
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\])"
+_HOST_RE = re.compile(rf"^{_HOST}$")
+_ZMQ_ENDPOINT_RE = re.compile(rf"^tcp://{_HOST}:([0-9]{{1,5}})$")
+_INT_LIMITS = {"block_size": MAX_BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
+               "num_blocks": MAX_NUM_BLOCKS}  # fmt: skip
+
+
+def conflict(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(409, message, param=param, code="conflict", type="invalid_request_error")
+
+
+def check_worker_url(value: str) -> str:
+    """``http(s)://host:port`` and nothing else (no path, query, credentials or fragment), so
+    a registration can never point the router's requests at another path (SSRF)."""
+    url = value.rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise bad_request("url must be http(s)://host:port", "url") from None
+    if (
+        parts.scheme not in ("http", "https")
+        or port is None
+        or not 0 < port < 65536
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or "?" in url
+        or "#" in url
+        or "@" in parts.netloc
+        or not _HOST_RE.match(parts.netloc.rsplit(":", 1)[0])
+    ):
+        raise bad_request("url must be http(s)://host:port with nothing after the port", "url")
+    return url
+
+
+def check_zmq_endpoint(value: str, param: str) -> str:
+    m = _ZMQ_ENDPOINT_RE.match(value)
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        raise bad_request(f"{param} must be tcp://host:port", param)
+    return value
 
 
 def _parse_role(value: object) -> Role:
@@ -45,21 +99,22 @@ class WorkerInfo:
         if not isinstance(d, dict):
             raise bad_request("registration body must be a JSON object")
         strs = ("engine_id", "model", "url", "hash_algorithm")
-        ints = ("block_size", "max_model_len", "num_blocks")
         for key in strs:
-            if not isinstance(d.get(key), str) or not d[key]:
-                raise bad_request(f"{key} must be a non-empty string", key)
-        for key in ints:
             v = d.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad_request(f"{key} must be a positive integer", key)
+            limit = MAX_ID_LEN if key == "engine_id" else MAX_NAME_LEN
+            if not isinstance(v, str) or not 0 < len(v) <= limit:
+                raise bad_request(f"{key} must be a non-empty string of at most {limit}", key)
+        for key, limit in _INT_LIMITS.items():
+            v = d.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
+                raise bad_request(f"{key} must be an integer in [1, {limit}]", key)
         for key in ("kv_events_endpoint", "kv_side_channel"):
             v = d.get(key)
             if v is not None and not isinstance(v, str):
                 raise bad_request(f"{key} must be a string or null", key)
-        url = d["url"].rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise bad_request("url must be an http(s) URL", "url")
+            if v:
+                check_zmq_endpoint(v, key)
+        url = check_worker_url(d["url"])
         return cls(
             engine_id=d["engine_id"],
             role=_parse_role(d.get("role")),
@@ -72,6 +127,25 @@ class WorkerInfo:
             kv_events_endpoint=d.get("kv_events_endpoint") or None,
             kv_side_channel=d.get("kv_side_channel"),
         )
+
+
+def check_against_router(info: WorkerInfo, hash_algorithm: str, max_context: int | None) -> None:
+    """What only the router can check: the worker hashes blocks as the router does (or prefix
+    scores would be wrong) and claims no more context than the served model has."""
+    if info.hash_algorithm != hash_algorithm:
+        raise bad_request(
+            f"worker hashes blocks with {info.hash_algorithm!r}; this router uses "
+            f"{hash_algorithm!r} (mixed Tandem versions?)",
+            "hash_algorithm",
+        )
+    if max_context is not None and info.max_model_len > max_context:
+        raise bad_request(
+            f"max_model_len {info.max_model_len} exceeds the served model's context "
+            f"({max_context} tokens)",
+            "max_model_len",
+        )
+    if info.max_model_len < info.block_size:
+        raise bad_request("max_model_len must be at least one block", "max_model_len")
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,6 +226,20 @@ class WorkerRegistry:
                 f"worker serves model {info.model!r} but this router serves {self._model!r}",
                 "model",
             )
+        existing = self._workers.get(info.engine_id)
+        if existing is not None and existing.info != info:
+            field_name = next(
+                (f for f in ("url", "role", "model") if getattr(existing.info, f) !=
+                 getattr(info, f)), "engine_id",
+            )  # fmt: skip
+            raise conflict(
+                f"engine_id {info.engine_id} is registered by another worker "
+                f"({field_name} differs); it stays bound until it deregisters or expires",
+                field_name,
+            )
+        if existing is None and len(self._workers) >= MAX_WORKERS:
+            raise OpenAIError(503, f"the registry is full ({MAX_WORKERS} workers)",
+                              code="registry_full")  # fmt: skip
         replaced = [
             w
             for w in self._workers.values()
@@ -159,8 +247,7 @@ class WorkerRegistry:
         ]
         for old in replaced:
             del self._workers[old.info.engine_id]
-        existing = self._workers.get(info.engine_id)
-        if existing is not None and existing.info == info:
+        if existing is not None:
             existing.last_seen = self._clock()
         else:
             self._workers[info.engine_id] = WorkerState(info=info, last_seen=self._clock())

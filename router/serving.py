@@ -12,12 +12,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine.role import Role
+from tandem.router.body import read_capped
 from tandem.router.errors import OpenAIError, bad_request, no_workers
 from tandem.router.flow import (
     ChoiceFailed,
@@ -40,7 +42,8 @@ async def handle_generation(s: RouterState, request: Request, kind: Kind) -> Res
     arrival = time.monotonic()
     try:
         s.check_auth(request)
-        body = parse_body(await request.body(), s.config.max_body_bytes)
+        raw = await read_capped(request, s.config.max_body_bytes)
+        body = parse_body(raw, s.config.max_body_bytes)
         req: ChatCompletionRequest | CompletionRequest
         if kind is Kind.CHAT:
             req = validate(ChatCompletionRequest, body)
@@ -54,10 +57,10 @@ async def handle_generation(s: RouterState, request: Request, kind: Kind) -> Res
                 code="model_not_found",
             )
         request_id = ("chatcmpl-" if kind is Kind.CHAT else "cmpl-") + uuid.uuid4().hex
-        if _prompt_chars(req) > _OFFLOAD_CHARS:
-            # Long prompts tokenize (and render the chat template) off the event loop, so one
-            # big request does not stall every stream the router is relaying.
-            encoded = await asyncio.to_thread(_encode_prompts, s, req)
+        if kind is Kind.CHAT or _prompt_chars(req) > _OFFLOAD_CHARS:
+            # Chat templates render, and long prompts tokenize, off the event loop and under a
+            # deadline, so no request can stall every stream the router is relaying.
+            encoded = await _off_loop(s, req)
         else:
             encoded = _encode_prompts(s, req)
         jobs, prompt_tokens = _make_jobs(s, req, request_id, encoded)
@@ -109,6 +112,29 @@ def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
         return sum(len(m.text()) for m in req.messages)
     return sum(len(p) for p in req.prompts() if isinstance(p, str))
+
+
+_RENDERERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="render")
+
+
+async def _off_loop(
+    s: RouterState, req: ChatCompletionRequest | CompletionRequest
+) -> list[list[int]]:
+    """``_encode_prompts`` on a small dedicated pool, bounded by ``template_timeout_s``. A render
+    that overruns keeps its thread until it ends (threads cannot be killed), but the request is
+    answered at once and the event loop never waits for it."""
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(_RENDERERS, _encode_prompts, s, req)
+    try:
+        return await asyncio.wait_for(fut, s.config.template_timeout_s)
+    except TimeoutError:
+        raise OpenAIError(
+            400,
+            f"Rendering and tokenizing the prompt took longer than "
+            f"{s.config.template_timeout_s:g} s.",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="prompt_too_complex",
+        ) from None
 
 
 def _encode_prompts(

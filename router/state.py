@@ -7,14 +7,19 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from fastapi import Request
 
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.hashing import HASH_ALGORITHM
+from tandem.engine.model_path import resolve_model_path
+from tandem.engine.request_limits import MAX_REQUEST_BYTES
 from tandem.engine.role import Role
 from tandem.router.errors import OpenAIError
 from tandem.router.flow import FlowConfig, FlowContext
@@ -22,7 +27,12 @@ from tandem.router.kv_events import KvEventSubscriber
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import Placer, Policy
 from tandem.router.prefix_index import ApplyResult, PrefixIndex
-from tandem.router.registry import WorkerInfo, WorkerRegistry, WorkerState
+from tandem.router.registry import (
+    WorkerInfo,
+    WorkerRegistry,
+    WorkerState,
+    check_against_router,
+)
 from tandem.router.tokenizer import PromptEncoder
 from tandem.router.worker_client import Timeouts, WorkerClient
 
@@ -40,9 +50,27 @@ class RouterConfig:
     heartbeat_timeout_s: float = 3.0
     expiry_interval_s: float = 0.5
     events_stale_after_s: float = 5.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = MAX_REQUEST_BYTES  # --max-request-bytes
     timeouts: Timeouts = field(default_factory=Timeouts)
     poll_s: float = 0.25
+    # Worker-facing credential (internal listener, worker calls, KV events); None only for
+    # in-process apps (tests): ``tandem router`` refuses to start without one.
+    cluster_token: ClusterToken | None = None
+    # The prefix index holds at most this many block hashes per worker, whatever it claims.
+    index_blocks_per_worker: int = 1 << 18
+    template_timeout_s: float = 5.0  # rendering one chat template, off the event loop
+
+
+def model_context_limit(config: RouterConfig) -> int | None:
+    """The served model's ``max_position_embeddings`` (registrations may not claim more), when
+    the model directory has a readable config.json; None otherwise (a bare tokenizer dir)."""
+    try:
+        path = Path(config.model_path) if config.model_path else resolve_model_path(config.model)
+        data = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 class RouterState:
@@ -55,14 +83,18 @@ class RouterState:
         encoder: PromptEncoder,
         http: aiohttp.ClientSession,
         clock: Callable[[], float],
+        max_context: int | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.encoder = encoder
+        self.max_context = max_context
         self.registry = WorkerRegistry(clock, config.heartbeat_timeout_s, model=config.model)
         self.index = PrefixIndex(clock, config.events_stale_after_s)
-        self.client = WorkerClient(http, config.timeouts)
-        self.subscriber = KvEventSubscriber(self.index, self.client, self._on_event)
+        self.client = WorkerClient(http, config.timeouts, config.cluster_token)
+        self.subscriber = KvEventSubscriber(
+            self.index, self.client, self._on_event, token=config.cluster_token
+        )
         self.flow = FlowContext(
             registry=self.registry,
             index=self.index,
@@ -84,15 +116,14 @@ class RouterState:
 
     # -- registry ---------------------------------------------------------------------------
     def register(self, info: WorkerInfo) -> None:
+        """Validate against what the router knows, then add or refresh; raises OpenAIError
+        (400 a bad field, 409 a live id registered differently) with nothing changed."""
+        check_against_router(info, HASH_ALGORITHM, self.max_context)
         for old in self.registry.register(info):
             self._forget(old)
-        if info.hash_algorithm != HASH_ALGORITHM:
-            log.warning(
-                "worker %s hashes with %s, router with %s: scored by load only",
-                info.engine_id, info.hash_algorithm, HASH_ALGORITHM,
-            )  # fmt: skip
         if info.kv_events_endpoint and not self.index.is_synced(info.engine_id):
-            self.index.add_worker(info.engine_id, info.num_blocks)
+            capacity = min(info.num_blocks, self.config.index_blocks_per_worker)
+            self.index.add_worker(info.engine_id, capacity)
             self.subscriber.start(info.engine_id, info.kv_events_endpoint, info.url)
         self._update_gauges()
 

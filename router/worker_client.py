@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.hashing import BlockHash
 
 MAX_LINE_BYTES = 4 * 1024 * 1024  # one chunk; logprobs make the biggest
@@ -49,17 +50,27 @@ class GenerateStream:
     """Chunks of one ``/v1/internal/generate`` call, in order."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, url: str, body: dict[str, Any], read_s: float
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: dict[str, Any],
+        read_s: float,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(session, url, body, read_s))
+        self._task = asyncio.create_task(self._pump(session, url, body, read_s, headers))
 
     async def _pump(
-        self, session: aiohttp.ClientSession, url: str, body: dict[str, Any], read_s: float
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: dict[str, Any],
+        read_s: float,
+        headers: dict[str, str] | None,
     ) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=read_s)
         try:
-            async with session.post(url, json=body, timeout=timeout) as resp:
+            async with session.post(url, json=body, timeout=timeout, headers=headers) as resp:
                 if resp.status >= 400:
                     raw = await resp.content.read(64 * 1024)
                     self._queue.put_nowait(_http_error(resp.status, raw))
@@ -121,16 +132,26 @@ def _http_error(status: int, raw: bytes) -> Exception:
 
 
 class WorkerClient:
-    """Calls workers' internal endpoints. Owns nothing: the app's lifespan owns ``session``."""
+    """Calls workers' internal endpoints. Owns nothing: the app's lifespan owns ``session``.
+    Every call carries the cluster token when the router has one."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: Timeouts,
+        token: ClusterToken | None = None,
+    ) -> None:
         self._session = session
         self.timeouts = timeouts
         self._control = aiohttp.ClientTimeout(total=timeouts.control_s)
+        self._token = token
+
+    def headers(self) -> dict[str, str] | None:
+        return self._token.headers() if self._token is not None else None
 
     def generate(self, worker_url: str, body: dict[str, Any]) -> GenerateStream:
         url = f"{worker_url}/v1/internal/generate"
-        return GenerateStream(self._session, url, body, self.timeouts.read_s)
+        return GenerateStream(self._session, url, body, self.timeouts.read_s, self.headers())
 
     async def abort(self, worker_url: str, request_id: str) -> bool:
         """Best effort: a failed abort is reported as False, never raised."""
@@ -139,6 +160,7 @@ class WorkerClient:
                 f"{worker_url}/v1/internal/abort",
                 json={"request_id": request_id},
                 timeout=self._control,
+                headers=self.headers(),
             ) as resp:
                 return resp.status == 200 and bool((await resp.json()).get("aborted"))
         except (*_NETWORK_ERRORS, ValueError, AttributeError):
@@ -148,7 +170,7 @@ class WorkerClient:
         """The worker's cached-block snapshot (engine_id, seq, hashes); raises WorkerUnavailable."""
         try:
             async with self._session.get(
-                f"{worker_url}/v1/internal/kv_blocks", timeout=self._control
+                f"{worker_url}/v1/internal/kv_blocks", timeout=self._control, headers=self.headers()
             ) as resp:
                 resp.raise_for_status()
                 body = await resp.json()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
@@ -57,59 +59,59 @@ def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
     return times
 
 
-class _Up:
-    """A `tandem up` of the model for one measurement; exit stops its process group."""
+class LocalUp:
+    """A `tandem up` for one measurement (``args``: its flags after the ports); ``with`` waits
+    until ``workers`` have registered, exit stops the whole process group. Its cluster token is
+    made here and passed in the environment; ``workers()`` lists the registry with it.
+    Used by the serving stage and the planner's benchmarks."""
 
-    def __init__(self, model: str, prefill: int, transport: str, options: Sequence[str],
-                 log_dir: Path) -> None:  # fmt: skip
+    def __init__(self, args: Sequence[str], workers: int, log_dir: Path, name: str = "up") -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            "up",
-            "--model",
-            model,
-            "--prefill",
-            str(prefill),
-            "--decode",
-            "1",
-            "--kv-transport",
-            transport,
-            "--port",
-            self.url.rsplit(":", 1)[1],
-            "--log-dir",
-            str(log_dir),
-        ]
-        for opt in options:
-            cmd += ["--engine-option", opt]
-        with open(log_dir / f"up-{prefill}.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        self.internal_url = f"http://127.0.0.1:{free_port()}"
+        self.token = secrets.token_hex(16)
+        cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", self.url.rsplit(":", 1)[1],
+               "--internal-port", self.internal_url.rsplit(":", 1)[1], "--log-dir", str(log_dir),
+               *args]  # fmt: skip
+        env = {**os.environ, CLUSTER_TOKEN_ENV: self.token}
+        with open(log_dir / f"{name}.log", "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=log_dir)  # fmt: skip
-        self.want = prefill + 1
+        self.want = workers
 
-    def __enter__(self) -> _Up:
-        deadline = time.monotonic() + 600
-        while True:
+    def workers(self) -> list[dict]:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        try:
+            r = httpx.get(f"{self.internal_url}/internal/workers", headers=headers, timeout=2)
+            return r.json()["workers"] if r.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+
+    def __enter__(self) -> LocalUp:
+        deadline = time.monotonic() + 900
+        while len(self.workers()) < self.want:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tandem up exited ({self.proc.returncode})")
-            try:
-                workers = httpx.get(f"{self.url}/internal/workers", timeout=2).json()["workers"]
-                if len(workers) == self.want:
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
             if time.monotonic() > deadline:
-                raise RuntimeError("tandem up did not start in 600 s")
+                raise RuntimeError("tandem up did not start in 900 s")
             time.sleep(0.3)
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _up(model: str, prefill: int, transport: str, options: Sequence[str], log_dir: Path) -> LocalUp:
+    args = ["--model", model, "--prefill", str(prefill), "--decode", "1",
+            "--kv-transport", transport]  # fmt: skip
+    for opt in options:
+        args += ["--engine-option", opt]
+    return LocalUp(args, prefill + 1, log_dir, f"up-{prefill}")
 
 
 def _low(values: list[float]) -> float:
@@ -136,7 +138,7 @@ def calibrate_serving(
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _Up(model, 0, transport, options, log_dir) as up:
+    with _up(model, 0, transport, options, log_dir) as up:
         for _ in range(WARMUP):
             _stream(up.url, model, prompt())
         alone = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
@@ -145,7 +147,7 @@ def calibrate_serving(
             for _ in range(3):
                 prompts = [prompt() for _ in range(CONCURRENT)]
                 batch += _complete(list(pool.map(lambda p: _stream(up.url, model, p), prompts)))
-    with _Up(model, 1, transport, options, log_dir) as up:
+    with _up(model, 1, transport, options, log_dir) as up:
         for _ in range(WARMUP):
             _stream(up.url, model, prompt())
         pd = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])

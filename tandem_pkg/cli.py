@@ -12,7 +12,9 @@ commands:
   prefill    a prefill worker
   decode     a decode worker
   colocated  a worker that prefills and decodes (no disaggregation)
+  drain      ask the worker on this host to drain (the pods' preStop hook)
   operator   the Kubernetes operator
+  bench      guidellm against a running endpoint (model and tokenizer filled in)
   profile    measure step and KV transfer times on this machine (for plan and --simulate)
   plan       pick the prefill:decode split for a workload and latency targets
 
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.engine.worker.colocated import main as colocated_main
 
         return colocated_main(rest)
+    if cmd == "drain":
+        from tandem.engine.worker.drain import main as drain_main
+
+        return drain_main(rest)
     if cmd == "router":
         from tandem.router.cli import main as router_main
 
@@ -45,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.up import main as up_main
 
         return up_main(rest)
+    if cmd == "bench":
+        from tandem.bench import main as bench_main
+
+        return bench_main(rest)
     if cmd == "profile":
         from tandem.profile import main as profile_main
 

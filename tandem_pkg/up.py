@@ -7,6 +7,11 @@ URL and a ready-to-paste curl line, and supervises: Ctrl-C or SIGTERM stops ever
 then SIGKILL after a grace period), and a child that dies takes the whole set down with its log tail
 printed, so no process is ever left orphaned. Children run in their own sessions (the terminal's
 Ctrl-C reaches only this process, which forwards it) and, on Linux, get SIGTERM if it dies.
+
+The cluster token: ``$TANDEM_CLUSTER_TOKEN`` or ``--cluster-token-file`` when given, else a
+random one made for this run. Children get it in their environment only (never argv, never the
+log); workers register on the router's internal listener (``--internal-port``, a free port by
+default).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import IO
 
 import httpx
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken, generate_token
+
 ROUTER = "router"
 
 
@@ -48,6 +55,8 @@ class UpConfig:
     engine_options: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     log_dir: str | None = None
+    internal_port: int | None = None  # the router's registry listener; None: a free port
+    cluster_token_file: str | None = None
     simulate: str | None = None  # a profile: every worker simulated (tandem.engine.sim)
 
 
@@ -59,7 +68,8 @@ class ProcessSpec:
     role: str
     argv: tuple[str, ...]
     url: str
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # secrets: never printed
+    internal_url: str | None = None  # the router's registry listener (router only)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,38 +101,49 @@ def worker_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> in
 
 
 def build_specs(
-    cfg: UpConfig, ports: Iterator[int], python: str = sys.executable
+    cfg: UpConfig, ports: Iterator[int], python: str = sys.executable, token: str = ""
 ) -> list[ProcessSpec]:
-    """The router first, then the workers; ``--prefill 0`` makes the decode workers colocated."""
+    """The router first, then the workers; ``--prefill 0`` makes the decode workers colocated.
+    ``token`` (the cluster token) goes into every child's environment, never its argv."""
     base = (python, "-m", "tandem.cli")
-    router_url = f"http://{cfg.host}:{cfg.port}"
-    router_argv = base + (
-        ROUTER, "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-        "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
-        "--prefill-overload-queue", str(cfg.prefill_overload_queue),
-    )  # fmt: skip
-    # The key travels in the environment, not argv, so `ps` does not show it.
-    env = (("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ()
-    specs = [ProcessSpec(ROUTER, ROUTER, router_argv, router_url, env)]
-    decode_role = "decode" if cfg.prefill > 0 else "colocated"
-    roles = ["prefill"] * cfg.prefill + [decode_role] * cfg.decode
-    counters: dict[str, int] = {}
     taken = {cfg.port}
-    for role in roles:
-        i = counters.get(role, 0)
-        counters[role] = i + 1
+
+    def next_port() -> int:
         # A port probed free can be the router's own (not bound yet) or one handed out already.
         port = next(p for p in ports if p not in taken)
         taken.add(port)
+        return port
+
+    internal_port = cfg.internal_port if cfg.internal_port is not None else next_port()
+    taken.add(internal_port)
+    router_url = f"http://{cfg.host}:{cfg.port}"
+    internal_url = f"http://{cfg.host}:{internal_port}"
+    router_argv = base + (
+        ROUTER, "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+        "--internal-port", str(internal_port),
+        "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
+        "--prefill-overload-queue", str(cfg.prefill_overload_queue),
+    )  # fmt: skip
+    # Secrets travel in the environment, not argv, so `ps` does not show them.
+    shared = ((CLUSTER_TOKEN_ENV, token),) if token else ()
+    env = shared + ((("TANDEM_API_KEY", cfg.api_key),) if cfg.api_key else ())
+    specs = [ProcessSpec(ROUTER, ROUTER, router_argv, router_url, env, internal_url)]
+    decode_role = "decode" if cfg.prefill > 0 else "colocated"
+    roles = ["prefill"] * cfg.prefill + [decode_role] * cfg.decode
+    counters: dict[str, int] = {}
+    for role in roles:
+        i = counters.get(role, 0)
+        counters[role] = i + 1
+        port = next_port()
         argv = base + (
             role, "--model", cfg.model, "--host", "127.0.0.1", "--port", str(port),
-            "--router-url", router_url, "--kv-transport", cfg.kv_transport,
+            "--router-url", internal_url, "--kv-transport", cfg.kv_transport,
         )  # fmt: skip
         for opt in cfg.engine_options:
             argv += ("--engine-option", opt)
         if cfg.simulate is not None:
             argv += ("--simulate", cfg.simulate)
-        specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}"))
+        specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
     return specs
 
 
@@ -236,16 +257,18 @@ class Supervisor:
             c.log_file.close()
 
 
-def _get_json(url: str, timeout: float = 2.0) -> dict | None:
+def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> dict | None:
     try:
-        r = httpx.get(url, timeout=timeout)
+        r = httpx.get(url, timeout=timeout, headers=headers)
         return r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 
 
-def registered_roles(router_url: str) -> dict[str, int] | None:
-    body = _get_json(f"{router_url}/internal/workers")
+def registered_roles(internal_url: str, token: str | None = None) -> dict[str, int] | None:
+    """Worker counts by role from the router's internal listener (needs the cluster token)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    body = _get_json(f"{internal_url}/internal/workers", headers=headers)
     if body is None:
         return None
     counts: dict[str, int] = {}
@@ -263,6 +286,8 @@ def run(
     """Start ``specs`` (router first), wait for registration, supervise; returns the exit code."""
     out = supervisor.out
     router = specs[0]
+    token = dict(router.env).get(CLUSTER_TOKEN_ENV)
+    internal = router.internal_url or router.url
     want: dict[str, int] = {}
     for s in specs[1:]:
         want[s.role] = want.get(s.role, 0) + 1
@@ -275,7 +300,7 @@ def run(
             lambda: _get_json(f"{router.url}/health") is not None, startup_timeout_s, "the router"
         )
         supervisor.wait_until(
-            lambda: registered_roles(router.url) == want, startup_timeout_s,
+            lambda: registered_roles(internal, token) == want, startup_timeout_s,
             "every worker to register",
         )  # fmt: skip
         for c in supervisor.children:
@@ -334,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed to every worker (repeatable)")  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    p.add_argument("--internal-port", type=int, default=None,
+                   help="the router's worker-registry port (default: a free port)")  # fmt: skip
+    p.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}, else a random one per "
+                   "run); children get it in their environment")  # fmt: skip
     p.add_argument("--simulate", default=None, metavar="PROFILE.json",
                    help="simulated workers from a `tandem profile`: no weights, the profiled "
                    "step and KV transfer times, everything else real")  # fmt: skip
@@ -368,7 +398,8 @@ def parse_config(argv: list[str]) -> UpConfig:
         local_prefill_threshold=a.local_prefill_threshold,
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
-        log_dir=a.log_dir, simulate=simulate,
+        log_dir=a.log_dir, internal_port=a.internal_port,
+        cluster_token_file=a.cluster_token_file, simulate=simulate,
     )  # fmt: skip
 
 
@@ -389,9 +420,21 @@ def main(argv: list[str]) -> int:
         print(f"tandem up: port {cfg.port} on {cfg.host} is in use; pick another with --port",
               file=sys.stderr)  # fmt: skip
         return 1
+    if cfg.internal_port is not None and (
+        cfg.internal_port == cfg.port or not _port_is_free(cfg.host, cfg.internal_port)
+    ):
+        print(f"tandem up: internal port {cfg.internal_port} is in use; pick another with "
+              "--internal-port", file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        given = ClusterToken.load(cfg.cluster_token_file)
+    except ValueError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    token = given.current if given is not None else generate_token()
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    specs = build_specs(cfg, iter(worker_port, None))
+    specs = build_specs(cfg, iter(worker_port, None), token=token)
     mode = (f"{cfg.prefill} prefill + {cfg.decode} decode" if cfg.prefill
             else f"{cfg.decode} colocated")  # fmt: skip
     if cfg.simulate is not None:
@@ -401,7 +444,9 @@ def main(argv: list[str]) -> int:
 
     def ready() -> None:
         url = f"http://{cfg.host}:{cfg.port}/v1"
-        print(f"\nTandem is ready at {url}  (Ctrl-C to stop)\n\n{curl_line(cfg)}\n", flush=True)
+        internal = specs[0].internal_url
+        print(f"\nTandem is ready at {url}  (Ctrl-C to stop; workers register at {internal})"
+              f"\n\n{curl_line(cfg)}\n", flush=True)  # fmt: skip
 
     return launch(specs, log_dir, cfg.startup_timeout_s, ready)
 

@@ -22,8 +22,11 @@ def write_random_checkpoint(
     rope_scaling: dict | None = None,
     seed: int = 0,
     max_shard_size: str | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
-    """Save a random-weight model of the given family plus the demo byte-level tokenizer."""
+    """Save a random-weight model of the given family plus the demo byte-level tokenizer.
+
+    sliding_window: Mistral's window (None keeps the family's default)."""
     import torch
     import transformers
 
@@ -45,6 +48,8 @@ def write_random_checkpoint(
     )
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
+    if sliding_window is not None:
+        common["sliding_window"] = sliding_window
     cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

@@ -77,4 +77,5 @@ def params_for(
         num_tokens=num_tokens,
         first_token_id=first_token_id,
         lease_seconds=10.0,
+        transfer_secret="ab" * 32,
     )

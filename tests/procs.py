@@ -13,6 +13,11 @@ from pathlib import Path
 
 import httpx
 
+# The cluster token every `tandem` process a test starts shares (through the environment, as
+# `tandem up` and the operator hand it over); tests present it on worker-facing routes.
+CLUSTER_TOKEN = "test-cluster-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,10 +37,24 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: floa
 class Proc:
     """A `tandem ...` subprocess with its log in a file; stop() kills its whole process group."""
 
-    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_dir: Path,
+        name: str,
+        env: dict[str, str | None] | None = None,
+    ) -> None:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        merged = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN,
+            **(env or {}),
+        }
+        # ``env`` may map a name to None to remove it (e.g. to let `tandem up` make a token).
+        env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args],
             stdout=self._log,

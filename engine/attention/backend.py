@@ -64,6 +64,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, heads, head_dim]."""
+        """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, heads, head_dim].
+
+        window > 0 is sliding-window attention (Mistral): a query at position p attends to keys
+        p - window < j <= p only. Blocks that fall out of the window stay allocated (the prefix
+        cache and the KV connector see whole sequences); they are just not read."""
         ...

@@ -10,13 +10,16 @@ from __future__ import annotations
 from tandem.engine.attention.backend import AttentionBackend
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """Resolve a backend by name: 'torch' (CPU and reference) or 'triton' (CUDA or interpreter)."""
+def get_backend(name: str, *, cpu_kernels: bool = True) -> AttentionBackend:
+    """Resolve a backend by name: 'torch' (CPU and reference) or 'triton' (CUDA or interpreter).
+
+    cpu_kernels: whether the torch backend may use the CPU kernels (``EngineConfig.cpu_kernels``).
+    """
     # Imported on demand: the triton backend imports triton, which CPU-only installs may lack.
     if name == "torch":
         from tandem.engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(cpu_kernels=cpu_kernels)
     if name == "triton":
         from tandem.engine.attention.triton_backend import TritonAttentionBackend
 

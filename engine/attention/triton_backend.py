@@ -40,6 +40,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Write k/v at meta.slot_mapping, then attend; returns [num_tokens, num_heads, head_dim].
 
@@ -65,6 +66,7 @@ class TritonAttentionBackend:
                 out=out[:num_seqs],
                 num_splits=self.decode_num_splits,
                 max_seq_len=meta.max_seq_len,
+                window=window,
             )
         else:
             paged_extend_attention(
@@ -77,6 +79,7 @@ class TritonAttentionBackend:
                 meta.max_query_len,
                 scale,
                 out=out,
+                window=window,
             )
         if num_query_tokens < num_tokens:
             out[num_query_tokens:].zero_()

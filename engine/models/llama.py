@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention.backend import AttentionBackend, AttentionMetadata
@@ -42,6 +43,12 @@ class ModelArchConfig:
     attention_bias: bool
     qk_norm: bool
     hidden_act: str
+    # Per layer: 0 for full attention, else the sliding window (Mistral; Qwen2/3 with
+    # use_sliding_window). Empty means full attention everywhere.
+    sliding_windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
@@ -77,33 +84,79 @@ class ModelArchConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             hidden_act=act,
+            sliding_windows=_sliding_windows(arch, cfg),
         )
 
 
-class FusedOps:
-    """The model's pointwise ops, called by every layer: Triton kernels on CUDA when enabled,
-    otherwise their PyTorch references (:mod:`tandem.kernels.refs`)."""
+def _sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's window as transformers reads the config: ``layer_types`` when present, else
+    Mistral's ``sliding_window`` on every layer, else Qwen2/3's ``use_sliding_window`` on layers
+    from ``max_window_layers`` on. Llama has none. () when no layer has a window."""
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = None
+    if arch == "LlamaForCausalLM" or not window:
+        return ()
+    if isinstance(window, int) and window >= cfg.get("max_position_embeddings", 2048):
+        return ()  # no sequence can outgrow it
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch == "MistralForCausalLM":
+        windows = (window,) * layers
+    else:
+        first = cfg.get("max_window_layers", layers)
+        windows = tuple(window if i >= first else 0 for i in range(layers))
+    return windows if any(windows) else ()
 
-    def __init__(self, use_kernels: bool) -> None:
+
+class FusedOps:
+    """The model's pointwise ops, called by every layer: Triton kernels on CUDA when enabled, the
+    CPU kernels (:mod:`tandem.kernels.cpu_ops`) for float32 CPU tensors when ``cpu_kernels`` and
+    they could be built, otherwise their PyTorch references (:mod:`tandem.kernels.refs`)."""
+
+    def __init__(self, use_kernels: bool, cpu_kernels: bool = False) -> None:
         self.use_kernels = use_kernels
+        self.cpu_kernels = False
         if use_kernels:
             from tandem import kernels
 
             self._k = kernels
+        elif cpu_kernels:
+            from tandem.kernels import cpu_ops
+
+            self._cpu = cpu_ops
+            self.cpu_kernels = cpu_ops.available()
+
+    def _native(self, x: torch.Tensor) -> bool:
+        return self.cpu_kernels and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.use_kernels:
             return self._k.rms_norm(x, weight, eps, residual)
+        if self._native(x):
+            return self._cpu.cpu_rms_norm(x, weight, eps, residual)
         return rms_norm_ref(x, weight, eps, residual)
 
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates q and k in place (both paths) and returns them."""
+        """Rotates q and k in place (all paths) and returns them; q and k may be strided views
+        of the fused projection on the CPU-kernel path, and must be contiguous otherwise."""
         if self.use_kernels:
             self._k.rotary_embedding(positions, q, k, cache)
+        elif self._native(q):
+            self._cpu.cpu_rotary_embedding(positions, q, k, cache)
         else:
             # Rounded per op in the model dtype as in Hugging Face (the kernel rounds once from
             # fp32); the two agree bit for bit in fp32.
@@ -113,6 +166,8 @@ class FusedOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
             return self._k.silu_and_mul(x)
+        if self._native(x):
+            return self._cpu.cpu_silu_and_mul(x)
         # Per-op rounding in the model dtype, as in Hugging Face; see rotary.
         return silu_and_mul_ref(x, compute_dtype=x.dtype)
 
@@ -131,8 +186,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: FusedOps, window: int = 0) -> None:
         super().__init__()
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -159,16 +215,21 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].reshape(k.shape)
-        q, k = self.ops.rotary(positions, q.contiguous(), k.contiguous(), rope_cache)
-        out = backend.forward(q, k, v, kv_layer[:, 0], kv_layer[:, 1], meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        if not self.ops.cpu_kernels:
+            q, k = q.contiguous(), k.contiguous()
+        q, k = self.ops.rotary(positions, q, k, rope_cache)
+        out = backend.forward(
+            q, k, v, kv_layer[:, 0], kv_layer[:, 1], meta, self.scale, window=self.window
+        )
+        return F.linear(out.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -179,14 +240,15 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = F.linear(x, self.gate_up_proj.weight)
+        return F.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: FusedOps, window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
@@ -195,12 +257,16 @@ class LlamaForCausalLM(nn.Module):
     """Called by the ModelRunner: ``forward`` for hidden states, ``compute_logits`` for the
     positions that are sampled."""
 
-    def __init__(self, cfg: ModelArchConfig, use_kernels: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, use_kernels: bool = False, cpu_kernels: bool = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        ops = FusedOps(use_kernels)
+        ops = FusedOps(use_kernels, cpu_kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, ops, cfg.window(i)) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -221,18 +287,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        # Submodules' forward() directly: nn.Module.__call__ (hooks machinery) costs a few
+        # microseconds per call, which at batch 1 is a visible share of a decode step.
+        h = F.embedding(input_ids, self.embed_tokens.weight)
         residual: torch.Tensor | None = None
+        rope = self.rope_cache
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
-                h, _ = layer.input_layernorm(h)
+                h, _ = layer.input_layernorm.forward(h)
             else:
-                h, residual = layer.input_layernorm(h, residual)
-            h = layer.self_attn(h, positions, self.rope_cache, kv_cache[:, i], meta, backend)
-            h, residual = layer.post_attention_layernorm(h, residual)
-            h = layer.mlp(h)
-        h, _ = self.norm(h, residual)
+                h, residual = layer.input_layernorm.forward(h, residual)
+            h = layer.self_attn.forward(h, positions, rope, kv_cache[:, i], meta, backend)
+            h, residual = layer.post_attention_layernorm.forward(h, residual)
+            h = layer.mlp.forward(h)
+        h, _ = self.norm.forward(h, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

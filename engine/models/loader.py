@@ -39,11 +39,15 @@ def _weight_files(path: Path) -> list[Path]:
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, use_kernels: bool) -> LlamaForCausalLM:
-    """Build the model from config.json and fill every parameter; a missing weight is an error."""
+def load_model(
+    path: Path, dtype: torch.dtype, device: str, use_kernels: bool, cpu_kernels: bool = False
+) -> LlamaForCausalLM:
+    """Build the model from config.json and fill every parameter; a missing weight is an error.
+
+    use_kernels: Triton kernels (CUDA); cpu_kernels: the CPU kernels where they apply."""
     cfg = ModelArchConfig.from_hf(read_hf_config(path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, use_kernels=use_kernels).to(dtype)
+        model = LlamaForCausalLM(cfg, use_kernels=use_kernels, cpu_kernels=cpu_kernels).to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

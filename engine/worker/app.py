@@ -3,12 +3,17 @@
 create_app(config, role) builds a FastAPI app whose lifespan owns the WorkerService (engine
 thread, the role's connector, KV event publisher) and the router registration. Handlers only
 validate, hand work to the engine thread and stream its outputs back.
+
+``/info`` and ``/v1/internal/*`` require the cluster token (``config.cluster_token``; the CLI
+always has one); ``/health`` and ``/metrics`` stay open for probes and Prometheus. Bodies are
+read under a cap and requests are re-checked against the router's limits (defence in depth).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,10 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
+from tandem.engine import http_body
 from tandem.engine.builder import build_engine_parts
 from tandem.engine.engine import Engine
+from tandem.engine.internal_auth import ClusterAuth
 from tandem.engine.outputs import EngineOutput
+from tandem.engine.request_limits import MAX_CONTROL_BYTES, MAX_INTERNAL_REQUEST_BYTES
 from tandem.engine.sim.builder import build_simulated_parts
 from tandem.engine.worker.protocol import BadRequest, encode_chunk, parse_generate_request
 from tandem.engine.worker.registration import Registrar
@@ -32,11 +41,41 @@ __all__ = ["WorkerConfig", "create_app"]
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     body = {
-        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     }
     return JSONResponse(body, status_code=status)
+
+
+def is_internal(path: str) -> bool:
+    """The routes behind the cluster token."""
+    return path == "/info" or path.startswith("/v1/internal/")
+
+
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    """The parsed body; raises _BodyError (a ready response) when too big or not JSON."""
+    try:
+        raw = await http_body.read_capped(
+            request.stream(), request.headers.get("content-length"), max_bytes
+        )
+    except http_body.BodyTooLarge as exc:
+        raise _BodyError(_error(413, str(exc), code="request_too_large")) from None
+    except http_body.BadContentLength as exc:
+        raise _BodyError(_error(400, str(exc))) from None
+    except ClientDisconnect:
+        raise _BodyError(_error(499, "the client disconnected while sending")) from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise _BodyError(_error(400, "body must be JSON")) from None
+
+
+class _BodyError(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
 
 
 def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
@@ -57,7 +96,11 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
         registrar = None
         if config.router_url:
             registrar = Registrar(
-                config.router_url, service.info, service.load, config.heartbeat_interval_s
+                config.router_url,
+                service.info,
+                service.load,
+                config.heartbeat_interval_s,
+                token=config.cluster_token,
             )
             registrar.start()
         app.state.registrar = registrar
@@ -70,6 +113,7 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             await asyncio.to_thread(service.close)
 
     app = FastAPI(title="tandem worker", lifespan=lifespan)
+    app.add_middleware(ClusterAuth, token=config.cluster_token, protects=is_internal)
 
     def svc(request: Request) -> WorkerService:
         return request.app.state.service
@@ -123,9 +167,9 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
     async def abort(request: Request) -> Response:
         s = svc(request)
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body must be JSON")
+            body = await _json_body(request, MAX_CONTROL_BYTES)
+        except _BodyError as exc:
+            return exc.response
         rid = body.get("request_id") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             return _error(400, "request_id must be a string", "request_id")
@@ -148,13 +192,18 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
                 status_code=503,
             )
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body must be JSON")
+            body = await _json_body(request, MAX_INTERNAL_REQUEST_BYTES)
+        except _BodyError as exc:
+            return exc.response
         try:
             greq = parse_generate_request(body)
         except BadRequest as exc:
             return _error(400, str(exc), exc.param)
+        if s.thread.is_subscribed(greq.request_id):
+            # Never let a second request take over a live one's output stream.
+            return _error(
+                409, f"request_id {greq.request_id!r} is already in use", "request_id", "conflict"
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         s.thread.subscribe(

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
 from tandem.engine.llm import build_engine_config
 from tandem.engine.role import Role
 from tandem.engine.worker.role import WorkerRole
@@ -47,7 +48,16 @@ def parser(role: Role) -> argparse.ArgumentParser:
         "(default $TANDEM_ADVERTISE_HOST, else --host)",
     )
     p.add_argument("--router-url", default=None, help="register and heartbeat with this router")
+    p.add_argument(
+        "--cluster-token-file", default=None, metavar="PATH",
+        help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}); never pass the token itself",
+    )  # fmt: skip
     p.add_argument("--kv-transport", choices=["ucx", "tcp"], default="ucx")
+    for flag, what in (("--kv-events-port", "KV-event publisher"),
+                       ("--kv-side-channel-port", "KV side channel (prefill)"),
+                       ("--kv-data-port", "KV data listener (prefill)")):  # fmt: skip
+        p.add_argument(flag, type=int, default=0, metavar="PORT",
+                       help=f"the {what} port (default 0: any free port)")  # fmt: skip
     p.add_argument("--kv-lease-seconds", type=float, default=10.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -74,7 +84,14 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     """Run the worker of ``role`` with the parsed shared flags until it is stopped."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535, got {args.port}")
+    for name in ("kv_events_port", "kv_side_channel_port", "kv_data_port"):
+        if not 0 <= getattr(args, name) < 65536:
+            raise SystemExit(f"--{name.replace('_', '-')} must be in 0..65535")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        token = ClusterToken.require(args.cluster_token_file)
+    except ValueError as exc:  # TokenError: missing, unreadable or malformed
+        raise SystemExit(f"tandem {role.role.label}: {exc}") from None
     import uvicorn
 
     from tandem.engine.worker.app import create_app
@@ -104,6 +121,10 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         port=args.port,
         advertise_host=args.advertise_host,
         router_url=args.router_url,
+        cluster_token=token,
+        kv_events_port=args.kv_events_port,
+        kv_side_channel_port=args.kv_side_channel_port,
+        kv_data_port=args.kv_data_port,
         simulate=profile,
     )
     uvicorn.run(

@@ -67,6 +67,10 @@ class EngineThread:
     def unsubscribe(self, group_id: str) -> None:
         self._sinks.pop(group_id, None)
 
+    def is_subscribed(self, group_id: str) -> bool:
+        """Whether a live request group already streams under this id (any thread)."""
+        return group_id in self._sinks
+
     def _busy(self) -> bool:
         sched = self.engine.scheduler
         return bool(sched.running or sched.waiting or sched.loading or sched.pinned)

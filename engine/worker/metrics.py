@@ -56,9 +56,44 @@ class EngineCollector(Collector):
         )
         yield counter("tandem_prompt_tokens", "Prompt tokens computed", c["prompt_tokens"])
         yield counter("tandem_generation_tokens", "Tokens generated", c["generation_tokens"])
-        yield counter(
-            "tandem_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions
+        preempted = CounterMetricFamily(
+            "tandem_preemptions",
+            "Requests preempted for lack of KV blocks, by how their KV was kept",
+            labels=[*names, "mode"],
         )
+        preempted.add_metric([*self._labels, "swap"], s.num_swap_preemptions)
+        preempted.add_metric(
+            [*self._labels, "recompute"], s.num_preemptions - s.num_swap_preemptions
+        )
+        yield preempted
+        tier = s.host_tier
+        if tier is None:
+            return
+        yield gauge("tandem_kv_host_tier_blocks", "Blocks in the host KV tier", tier.num_blocks)
+        yield gauge(
+            "tandem_kv_host_tier_usage_ratio", "Fraction of host KV tier blocks in use", tier.usage
+        )
+        yield counter(
+            "tandem_prefix_cache_host_hit_tokens",
+            "Prompt tokens whose KV was loaded from the host tier (also in the hit tokens)",
+            tier.hit_tokens,
+        )
+        yield counter(
+            "tandem_kv_host_tier_offloaded_blocks", "Blocks copied to the host tier",
+            tier.offloaded_blocks,
+        )  # fmt: skip
+        yield counter(
+            "tandem_kv_host_tier_loaded_blocks", "Blocks copied back from the host tier",
+            tier.loaded_blocks,
+        )  # fmt: skip
+        failures = CounterMetricFamily(
+            "tandem_kv_host_tier_integrity_failures",
+            "Host tier blocks refused by a load's checks (the request recomputed them)",
+            labels=[*names, "reason"],
+        )
+        for reason, n in tier.integrity_failures:
+            failures.add_metric([*self._labels, reason], n)
+        yield failures
 
 
 def worker_registry(

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.outputs import EngineOutput
+from tandem.engine.request_limits import (
+    MAX_STOP_STRINGS,
+    LimitError,
+    check_n,
+    check_stop,
+    check_stop_token_ids,
+)
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 
@@ -61,8 +68,12 @@ def parse_generate_request(body: Any) -> GenerateRequest:
             "prompt_token_ids must be a non-empty list of non-negative integers",
             "prompt_token_ids",
         )
+    raw_params = body.get("sampling_params") or {}
     try:
-        params = SamplingParams.from_dict(body.get("sampling_params") or {})
+        _check_limits(raw_params)
+        params = SamplingParams.from_dict(raw_params)
+    except LimitError as exc:
+        raise BadRequest(exc.message, exc.param) from None
     except ValueError as exc:
         raise BadRequest(str(exc), "sampling_params") from None
     kv = body.get("kv_transfer_params")
@@ -79,6 +90,26 @@ def parse_generate_request(body: Any) -> GenerateRequest:
     if (kv is not None or remote_decode) and params.n != 1:
         raise BadRequest("disaggregated requests take n = 1; the router fans out", "n")
     return GenerateRequest(rid, ids, params, kv, remote_decode, priority)
+
+
+def _check_limits(raw: object) -> None:
+    """The router's request limits again, before SamplingParams does any per-item work (a
+    request that reached the worker directly gets the same bounds: defence in depth)."""
+    if not isinstance(raw, dict):
+        return  # from_dict names the type error
+    n = raw.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool):
+        check_n(n)
+    stop = raw.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list):
+        if len(stop) > MAX_STOP_STRINGS:
+            check_stop(stop)  # raises, naming the count
+        check_stop([s for s in stop if isinstance(s, str)])  # from_dict names a non-string
+    ids = raw.get("stop_token_ids")
+    if isinstance(ids, list):
+        check_stop_token_ids(ids)
 
 
 def logprobs_to_wire(lp: TokenLogprobs) -> dict[str, Any]:

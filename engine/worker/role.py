@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from tandem.engine.builder import EngineParts
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.engine import Engine
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.request import Request
@@ -30,6 +31,9 @@ class RoleContext:
     advertise_host: str | None  # the address peers dial, when it differs from host
     registry: CollectorRegistry  # the worker's metrics
     model_name: str
+    cluster_token: ClusterToken | None = None  # the KV side channel requires it when set
+    kv_side_channel_port: int = 0  # 0: any free port
+    kv_data_port: int = 0
 
 
 class WorkerRole(Protocol):

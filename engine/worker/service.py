@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.builder import EngineParts
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.engine.hashing import HASH_ALGORITHM
@@ -32,6 +33,12 @@ class WorkerConfig:
     advertise_host: str | None = None  # the address others reach us at (pod IP in Kubernetes)
     router_url: str | None = None
     heartbeat_interval_s: float = 1.0
+    # Required on the internal API, KV events and the KV side channel; None only in-process
+    # (tests): the CLI refuses to start without one.
+    cluster_token: ClusterToken | None = None
+    kv_events_port: int = 0  # fixed listener ports (0: any free one); the operator fixes them
+    kv_side_channel_port: int = 0
+    kv_data_port: int = 0
     # ``--simulate``: no weights; the profiled step and KV transfer times (tandem.engine.sim).
     simulate: Profile | None = None
 
@@ -49,10 +56,19 @@ class WorkerService:
             lambda: self.thread.stats, self._counters, self.model_name, role.role.label
         )
         ctx = RoleContext(
-            self.engine_id, config.host, config.advertise_host, self.registry, self.model_name
+            self.engine_id,
+            config.host,
+            config.advertise_host,
+            self.registry,
+            self.model_name,
+            config.cluster_token,
+            config.kv_side_channel_port,
+            config.kv_data_port,
         )
         self.engine = Engine(parts, role.attach(parts, ctx))
-        self.events = KVEventPublisher(self.engine_id, host=config.host)
+        self.events = KVEventPublisher(
+            self.engine_id, host=config.host, port=config.kv_events_port, token=config.cluster_token
+        )
         self.events_endpoint = self.events.endpoint.replace(config.host, host, 1)
         self.thread = EngineThread(self.engine, after_step=self._after_step)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import write_random_checkpoint
 
 from tandem import LLM, SamplingParams
 from tandem.decode.hooks import DecodeHooks
@@ -27,10 +28,16 @@ NUM_BLOCKS = 64
 
 
 def make_engine(
-    path: Path, role: str, transport: str, lease: float = 10.0, policy: str = "recompute"
+    path: Path,
+    role: str,
+    transport: str,
+    lease: float = 10.0,
+    policy: str = "recompute",
+    **options: Any,
 ) -> Engine:
     """An engine with the role's hooks over a real connector (``engine.hooks.connector``)."""
-    parts = build_engine_parts(build_engine_config(str(path), num_blocks=NUM_BLOCKS))
+    options.setdefault("num_blocks", NUM_BLOCKS)
+    parts = build_engine_parts(build_engine_config(str(path), **options))
     conn = create_connector(
         transport, parts.layout, parts.runner.kv_cache, role, lease_seconds=lease
     )
@@ -223,3 +230,55 @@ def test_two_prefill_two_decode_crossing_traffic(llama_gqa_path: Path) -> None:
     finally:
         for e in ps + ds:
             e.hooks.connector.close()
+
+
+def test_sliding_window_model_disaggregated_equals_colocated(tmp_path: Path) -> None:
+    """Mistral with a 16-token window: the prompt's blocks outside the window still move (they
+    stay allocated and cached), and decode on the pulled KV gives the colocated tokens, with a
+    prefix hit on the second prompt."""
+    path = write_random_checkpoint(tmp_path, "mistral", sliding_window=16)
+    p, d = make_engine(path, "prefill", "tcp"), make_engine(path, "decode", "tcp")
+    try:
+        rng = random.Random(9)
+        shared = [rng.randrange(300) for _ in range(48)]
+        prompts = {"w0": shared + [5, 6], "w1": shared + [rng.randrange(300) for _ in range(22)]}
+        got = disagg(p, d, {"w0": prompts["w0"]})
+        got.update(disagg(p, d, {"w1": prompts["w1"]}))
+        assert got == colocated(path, prompts)
+        for e in (p, d):
+            e.check_integrity()
+            assert e.pool.num_free_blocks == NUM_BLOCKS
+    finally:
+        p.hooks.connector.close()
+        d.hooks.connector.close()
+
+
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_host_tier_on_both_sides_equals_colocated(llama_gqa_path: Path, transport: str) -> None:
+    """Small device pools on both sides: prefill reloads evicted prefixes from its host tier;
+    decode, two pulled requests at a time in 8 blocks, offloads evictions and swaps."""
+    tier = {"kv_offload_bytes": 1 << 20, "max_model_len": 128}
+    p = make_engine(llama_gqa_path, "prefill", transport, num_blocks=12, **tier)
+    d = make_engine(llama_gqa_path, "decode", transport, num_blocks=8, **tier)
+    try:
+        prompts = prompts_of(11, (58, 60, 57, 62))
+        expected = colocated(llama_gqa_path, prompts)
+        pairs = [dict(list(prompts.items())[i : i + 2]) for i in (0, 2)]
+        # Twice over (new ids the second time): prefill's device pool holds two prompts at most.
+        got = {rid: toks for pair in pairs for rid, toks in disagg(p, d, pair).items()}
+        again = [{f"{rid}b": prompt for rid, prompt in pair.items()} for pair in pairs]
+        got_again = {rid: toks for pair in again for rid, toks in disagg(p, d, pair).items()}
+        assert got == expected
+        assert got_again == {f"{rid}b": toks for rid, toks in expected.items()}
+        ps, ds = p.stats(), d.stats()
+        assert ps.host_tier is not None and ps.host_tier.hit_tokens > 0
+        assert ds.host_tier is not None and ds.host_tier.offloaded_blocks > 0
+        assert ds.num_swap_preemptions > 0
+        for e in (p, d):
+            e.check_integrity()
+            assert e.pool.num_free_blocks == e.pool.num_blocks
+            assert e.kv.tier is not None
+            assert e.kv.tier.host.num_free_blocks == e.kv.tier.host.num_blocks
+    finally:
+        p.hooks.connector.close()
+        d.hooks.connector.close()

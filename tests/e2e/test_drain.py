@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from procs import Proc, free_port, wait_for
+from procs import AUTH, Proc, free_port, wait_for
 
 from tandem.engine.demo import expected_answer, make_user_message
 
@@ -22,15 +22,18 @@ def _running(url: str) -> float:
 
 
 def test_drained_worker_finishes_in_flight_and_leaves_registry(tmp_path: Path) -> None:
-    port = free_port()
+    port, internal = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     up = Proc(
-        ["up", "--port", str(port), "--prefill", "0", "--decode", "2", "--log-dir", str(tmp_path)],
+        ["up", "--port", str(port), "--internal-port", str(internal), "--prefill", "0",
+         "--decode", "2", "--log-dir", str(tmp_path)],
         tmp_path,
         "up",
-    )
+    )  # fmt: skip
     try:
-        workers = lambda: httpx.get(f"{url}/internal/workers").json()["workers"]  # noqa: E731
+        workers = lambda: httpx.get(  # noqa: E731
+            f"http://127.0.0.1:{internal}/internal/workers", headers=AUTH
+        ).json()["workers"]
         wait_for(lambda: up.alive() and _ok(lambda: len(workers()) == 2), 180, "up ready")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
@@ -48,7 +51,7 @@ def test_drained_worker_finishes_in_flight_and_leaves_registry(tmp_path: Path) -
         result: dict = {}
         drainer = threading.Thread(
             target=lambda: result.update(
-                httpx.post(f"{busy[0]}/v1/internal/drain", timeout=60).json()
+                httpx.post(f"{busy[0]}/v1/internal/drain", headers=AUTH, timeout=60).json()
             )
         )
         drainer.start()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from procs import Proc, free_port, wait_for
+from procs import AUTH, Proc, free_port, wait_for
 
 from tandem.engine.demo import expected_answer, held_out_inputs, make_user_message
 
@@ -19,13 +19,20 @@ from tandem.engine.demo import expected_answer, held_out_inputs, make_user_messa
 class Up:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port = free_port()
+        self.internal_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc(["up", "--port", str(self.port), "--log-dir", str(tmp), *args], tmp, "up")
+        self.internal_url = f"http://127.0.0.1:{self.internal_port}"
+        self.proc = Proc(
+            ["up", "--port", str(self.port), "--internal-port", str(self.internal_port),
+             "--log-dir", str(tmp), *args],
+            tmp, "up",
+        )  # fmt: skip
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
     def workers(self) -> list[dict]:
         try:
-            return httpx.get(f"{self.url}/internal/workers", timeout=2).json()["workers"]
+            r = httpx.get(f"{self.internal_url}/internal/workers", headers=AUTH, timeout=2)
+            return r.json()["workers"]
         except (httpx.HTTPError, ValueError):
             return []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, wait_for
+from procs import AUTH, Proc, free_port, wait_for
 from sim_profiles import DEMO_TOKENS, synthetic_profile
 
 from tandem.engine.sim.tokens import next_token
@@ -25,13 +25,16 @@ class SimUp:
         synthetic_profile(execute=(0.004, 1e-5, 0, 0, 0), transfer=(0.002, 1e-9)).save(self.profile)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.internal = free_port()
         self.proc = Proc(["up", "--simulate", str(self.profile), "--prefill", "2", "--decode",
                           "8", "--kv-transport", "tcp", "--port", str(self.port),
-                          "--log-dir", str(tmp)], tmp, "up")  # fmt: skip
+                          "--internal-port", str(self.internal), "--log-dir", str(tmp)],
+                         tmp, "up")  # fmt: skip
 
     def workers(self) -> list[dict]:
         try:
-            return httpx.get(f"{self.url}/internal/workers", timeout=2).json()["workers"]
+            url = f"http://127.0.0.1:{self.internal}/internal/workers"
+            return httpx.get(url, headers=AUTH, timeout=2).json()["workers"]
         except (httpx.HTTPError, ValueError):
             return []
 
@@ -71,7 +74,7 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
 def test_ten_simulated_workers_answer_through_prefill_and_decode(up: SimUp) -> None:
     workers = up.workers()
     assert sorted(w["role"] for w in workers) == ["decode"] * 8 + ["prefill"] * 2
-    info = httpx.get(f"{workers[0]['url']}/info", timeout=5).json()
+    info = httpx.get(f"{workers[0]['url']}/info", headers=AUTH, timeout=5).json()
     assert info["simulated"] is True
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda i: complete(up, f"{PROMPT} #{i}", 12), range(24)))

@@ -165,3 +165,15 @@ def test_priority_and_fcfs_order_admission(llama_gqa_path: Path) -> None:
                 order.append(o.request_id)
     assert order == ["high", "high2", "low"]
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+def test_unchunked_prefill_needs_a_budget_of_max_model_len() -> None:
+    """Without chunked prefill a prompt longer than the budget would wait forever: the config is
+    refused; with the budget at max_model_len the longest prompt runs in one step."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= max_model_len, got 16 < 256"):
+        LLM("demo", enable_chunked_prefill=False, max_num_batched_tokens=16)
+    llm = LLM("demo", enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    prompt = list(range(3, 63))  # 60 tokens, admitted whole
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    llm.engine.check_integrity()

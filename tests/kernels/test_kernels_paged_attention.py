@@ -4,63 +4,26 @@ on strided layer views of a block-major cache filled with random data."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
+from paged_cases import (
+    ATOL,
+    CHUNKS,
+    HEADS,
+    HEADS_IDS,
+    LAYER,
+    RTOL,
+    WINDOW_CASES,
+    Heads,
+    make_block_tables,
+    make_kv_cache,
+    pack_chunks,
+)
 
 from tandem.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from tandem.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
 from tandem.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
-
-NUM_LAYERS = 2
-LAYER = 1
-ATOL = 2e-6
-RTOL = 1e-5
-
-
-@dataclass(frozen=True, slots=True)
-class Heads:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-
-
-# GQA ratios 1, 4 and 8 (the last also MQA), head dims 64/80/96/128, block sizes 16 and 32; the
-# group of 3 with head dim 96 covers a non-power-of-two group.
-HEADS = [
-    Heads(4, 4, 64, 16),
-    Heads(8, 2, 80, 32),
-    Heads(8, 1, 128, 16),
-    Heads(6, 2, 96, 32),
-]
-HEADS_IDS = [f"hq{h.num_heads}-hkv{h.num_kv_heads}-d{h.head_dim}-bs{h.block_size}" for h in HEADS]
-
-
-def make_kv_cache(heads: Heads, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
-    shape = (num_blocks, NUM_LAYERS, 2, heads.block_size, heads.num_kv_heads, heads.head_dim)
-    return torch.randn(shape, generator=gen)
-
-
-def make_block_tables(
-    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
-) -> torch.Tensor:
-    """Disjoint random blocks per sequence, in shuffled order; unused entries 0."""
-    need = [-(-n // block_size) for n in seq_lens]
-    width = max(need) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    assert sum(need) <= num_blocks
-    table = torch.zeros((len(seq_lens), width), dtype=torch.int32)
-    used = 0
-    for i, count in enumerate(need):
-        table[i, :count] = perm[used : used + count]
-        used += count
-    return table
-
-
-def slots_for(block_table: torch.Tensor, positions: range, block_size: int) -> list[int]:
-    return [int(block_table[p // block_size]) * block_size + p % block_size for p in positions]
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -106,29 +69,6 @@ def test_paged_decode_attention_matches_reference(heads: Heads, poisoned_alloc: 
             q, k_cache, v_cache, block_tables, lens, scale, num_splits=num_splits, block_n=block_n
         )
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    context_len: int  # tokens already cached
-    query_len: int  # new tokens this step
-
-
-# A first prompt token alone, a whole prompt ending on a block boundary, a prefix-cache hit of
-# exactly one block, a chunk straddling boundaries, a decode row in a mixed batch, a long chunk.
-CHUNKS = [Chunk(0, 1), Chunk(0, 17), Chunk(16, 16), Chunk(15, 18), Chunk(32, 1), Chunk(1, 32)]
-
-
-def pack_chunks(chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    seq_lens = [c.context_len + c.query_len for c in chunks]
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c.query_len)
-    return (
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32),
-        seq_lens,
-    )
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
@@ -234,3 +174,39 @@ def test_decode_and_extend_share_one_argument_checker() -> None:
         for call in calls:
             with pytest.raises(ValueError, match=message):
                 call()
+
+
+@pytest.mark.parametrize("window", WINDOW_CASES)
+def test_sliding_window_decode_and_extend_match_reference(window: int) -> None:
+    """Mistral's sliding window in both Triton kernels: decode with splits (some starting inside
+    the window's first tile) and extend chunks whose rows see different ranges."""
+    heads = Heads(8, 2, 64, 16)
+    gen = torch.Generator().manual_seed(window)
+    seq_lens = [1, 15, 16, 17, 33, 70, 0]
+    num_blocks = 24
+    kv_cache = make_kv_cache(heads, num_blocks, gen)
+    k_cache, v_cache = kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1]
+    tables = make_block_tables(seq_lens, heads.block_size, num_blocks, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn((len(seq_lens), heads.num_heads, heads.head_dim), generator=gen)
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, window)
+    for num_splits in (1, 3):
+        out = paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.125, num_splits=num_splits, block_n=16,
+            window=window,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+    starts, lens, chunk_lens = pack_chunks(CHUNKS)
+    tables = make_block_tables(chunk_lens, heads.block_size, num_blocks, gen)
+    q = torch.randn((int(starts[-1]), heads.num_heads, heads.head_dim), generator=gen)
+    expected = paged_extend_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.125, window)
+    max_q = max(c.query_len for c in CHUNKS)
+    out = paged_extend_attention(
+        q, k_cache, v_cache, tables, starts, lens, max_q, 0.125, block_m=16, block_n=16,
+        window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    if window < 1000:  # the window changed something, so the test can fail
+        full = paged_extend_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.125)
+        assert not torch.allclose(full, expected)

@@ -15,6 +15,10 @@ from tandem.engine.kv_connector import FailureReason, KVTransferParams
 from tandem.engine.kv_layout import KVLayout
 from tandem.kvtransfer import create_kv_transfer_metrics
 from tandem.kvtransfer import protocol as p
+from tandem.kvtransfer.auth import FrameAuth, holder_proof, pull_proof
+
+OPEN = FrameAuth(None)  # what a connector built without a cluster token seals with
+SECRET = "5e" * 32
 
 TRANSPORTS = ["tcp", "ucx"]
 
@@ -129,31 +133,35 @@ def test_decode_renews_lease_while_load_pending(make) -> None:
                 "num_tokens": 32,
                 "first_token_id": 1,
                 "lease_seconds": 0.6,
+                "transfer_secret": SECRET,
             }
         )
         dec.start_load("d", params, [1, 2], [1, 2])
         ident, hello = side.recv_multipart()
-        assert isinstance(p.decode_message(hello), p.Hello)
+        assert isinstance(p.unseal(hello, OPEN), p.Hello)
         reply = p.HelloOk("fake", "tcp", SMALL, f"tcp://127.0.0.1:{data_port}")
-        side.send_multipart([ident, p.encode_message(reply)])
-        data_ident, ready = data.recv_multipart()
+        side.send_multipart([ident, p.seal(reply, OPEN)])
+        data_ident, ready, proof = data.recv_multipart()
         assert (data_ident, ready) == (ident, b"ready")
+        assert OPEN.check_connect(b"tcp-data", data_ident, proof)
         data.send_multipart([data_ident, b"ready"])
         seen = []
         while len([m for m in seen if isinstance(m, p.Renew)]) < 3:
             assert side.poll(3000), f"no renewal; saw {seen}"
-            seen.append(p.decode_message(side.recv_multipart()[1]))
+            seen.append(p.unseal(side.recv_multipart()[1], OPEN))
         renews = [m for m in seen if isinstance(m, p.Renew)]
-        assert all(m == p.Renew("fake", ("req",)) for m in renews)
+        holder = holder_proof(SECRET, "fake", "req")
+        assert all(m == p.Renew("fake", ("req",), (holder,)) for m in renews)
         assert isinstance(seen[0], p.Pull) and seen[0].segments == ((1, 2),)
+        assert seen[0].proof == pull_proof(SECRET, "fake", "req", seen[0].xfer_id, ((1, 2),))
         result = dc.load("d")
         assert (result.ok, result.reason) == (False, FailureReason.TIMEOUT)
         # and it tells prefill to release what it will not pull
         while True:
             assert side.poll(3000), "no release"
-            msg = p.decode_message(side.recv_multipart()[1])
+            msg = p.unseal(side.recv_multipart()[1], OPEN)
             if isinstance(msg, p.Release):
-                assert msg == p.Release("fake", "req", p.ReleaseKind.FAILED)
+                assert msg == p.Release("fake", "req", p.ReleaseKind.FAILED, holder)
                 break
     finally:
         side.close(linger=0)
@@ -251,10 +259,11 @@ class RawPeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
 
-    def ask(self, data: bytes) -> p.Message:
-        self.sock.send(data)
+    def ask(self, data: bytes, sealed: bool = True) -> p.Message:
+        """Send ``data`` (sealed as a connector would, unless told not to); the reply."""
+        self.sock.send(OPEN.seal(data) if sealed else data)
         assert self.sock.poll(5000), "no answer"
-        return p.decode_message(self.sock.recv())
+        return p.unseal(self.sock.recv(), OPEN)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -273,11 +282,17 @@ def test_bad_side_channel_input_rejected_while_real_transfer_completes(
     raw = RawPeer(pre.side_channel_address)
     try:
         eid = pre.engine_id
+
+        def pull(engine: str, rid: str, xfer: int, segs: tuple[tuple[int, int], ...]) -> p.Pull:
+            # a peer that does hold the transfer's secret, asking for the wrong things
+            proof = pull_proof(victim.transfer_secret, engine, rid, xfer, segs)
+            return p.Pull(engine, rid, xfer, segs, proof)
+
         cases = [
             (b"\xc1garbage", "malformed"),
             (msgpack.packb({"v": 99, "t": "hello"}), "version"),
-            (msgpack.packb({"v": 1, "t": "gimme"}), "unknown_type"),
-            (p.encode_message(p.Pull(eid, "victim", 1, ((20, 3),))), "no_handshake"),
+            (msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "gimme"}), "unknown_type"),
+            (p.encode_message(pull(eid, "victim", 1, ((20, 3),))), "no_handshake"),
         ]
         for data, code in cases:
             reply = raw.ask(data)
@@ -285,11 +300,11 @@ def test_bad_side_channel_input_rejected_while_real_transfer_completes(
         hello = raw.ask(p.encode_message(p.Hello("raw", transport, SMALL)))
         assert isinstance(hello, p.HelloOk) and hello.engine_id == eid
         cases = [
-            (p.Pull(eid, "nobody", 2, ((20, 3),)), "unknown_request"),
-            (p.Pull(eid, "victim", 3, ((60, 10),)), "invalid_request"),  # out of range
-            (p.Pull(eid, "victim", 4, ((19, 2),)), "invalid_request"),  # not the request's
-            (p.Pull("someone-else", "victim", 5, ((20, 1),)), "stale_engine"),
-            (p.Release("someone-else", "victim", p.ReleaseKind.DONE), "stale_engine"),
+            (pull(eid, "nobody", 2, ((20, 3),)), "unknown_request"),
+            (pull(eid, "victim", 3, ((60, 10),)), "invalid_request"),  # out of range
+            (pull(eid, "victim", 4, ((19, 2),)), "invalid_request"),  # not the request's
+            (pull("someone-else", "victim", 5, ((20, 1),)), "stale_engine"),
+            (p.Release("someone-else", "victim", p.ReleaseKind.DONE, "0" * 64), "stale_engine"),
         ]
         for msg, code in cases:
             reply = raw.ask(p.encode_message(msg))
@@ -365,3 +380,45 @@ def test_hold_keeps_lease_alive_until_load_and_abort_releases(make) -> None:
     assert same(dec.kv_cache[7:9], pre.kv_cache[2:4])
     pc.release("kept")
     assert "d-dropped" not in dc.loads  # a held request that never loaded has no LoadResult
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pull_without_the_transfer_secret_gets_nothing(make, transport: str) -> None:
+    """A decode holding the cluster token but not the grant's secret: refused before a byte
+    moves (UCX too: its receives are never posted), and the grant stays pullable."""
+    from tandem.engine.cluster_token import ClusterToken
+
+    token = ClusterToken(["one-cluster-token-for-both"])
+    registry = CollectorRegistry()
+    metrics = create_kv_transfer_metrics(registry, "demo", "prefill")
+    pre = make(transport, "prefill", seed=31, cluster_token=token, metrics=metrics)
+    dec = make(transport, "decode", cluster_token=token)
+    dc = Collector(dec)
+    params = pre.publish("req", [3, 4], 32, 1)
+    guessed = KVTransferParams.from_dict({**params.to_dict(), "transfer_secret": "1" * 64})
+    dec.start_load("guess", guessed, [3, 4], [8, 9])
+    result = dc.load("guess")
+    assert (result.ok, result.reason) == (False, FailureReason.UNAUTHORIZED)
+    assert not dec.kv_cache.view(torch.uint8).any()
+    refused = registry.get_sample_value(
+        "tandem_kv_transfer_failures_total",
+        {"model": "demo", "role": "prefill", "reason": "unauthorized"},
+    )
+    assert refused >= 1  # the pull (and the guesser's release) were refused and counted
+    dec.start_load("real", params, [3, 4], [8, 9])
+    assert dc.load("real").ok
+    assert same(dec.kv_cache[8:10], pre.kv_cache[3:5])
+    Collector(pre).release("req")
+
+
+def test_connectors_with_different_tokens_never_handshake(make) -> None:
+    from tandem.engine.cluster_token import ClusterToken
+
+    pre = make("tcp", "prefill", seed=32, cluster_token=ClusterToken(["prefill-side-token-1"]))
+    dec = make("tcp", "decode", cluster_token=ClusterToken(["decode-side-token-22"]),
+               handshake_timeout=1.0)  # fmt: skip
+    dc = Collector(dec)
+    dec.start_load("d", pre.publish("req", [1], 16, 1), [1], [1])
+    result = dc.load("d")
+    assert not result.ok and result.reason in (FailureReason.UNAUTHORIZED, FailureReason.HANDSHAKE)
+    assert not dec.kv_cache.view(torch.uint8).any()

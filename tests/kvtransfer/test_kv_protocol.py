@@ -9,6 +9,8 @@ from tandem.engine.kv_layout import KVLayout
 from tandem.kvtransfer import protocol as p
 
 LAYOUT = KVLayout(4, 2, 64, 16, "float32", 64)
+V = p.PROTOCOL_VERSION
+PROOF = "ab" * 32
 
 
 def _raw(**body: object) -> bytes:
@@ -20,13 +22,13 @@ def _raw(**body: object) -> bytes:
     [
         p.Hello("dec", "ucx", LAYOUT),
         p.HelloOk("pre", "tcp", LAYOUT, "tcp://127.0.0.1:5000"),
-        p.Pull("pre", "req-1", 7, ((3, 2), (9, 1))),
+        p.Pull("pre", "req-1", 7, ((3, 2), (9, 1)), PROOF),
         p.PullAccepted(7),
         p.PullDone(7, True, None),
         p.PullDone(8, False, "timeout"),
-        p.Renew("pre", ("a", "b")),
-        p.Renew("pre", ()),
-        p.Release("pre", "req-1", p.ReleaseKind.ABORTED),
+        p.Renew("pre", ("a", "b"), (PROOF, "cd" * 32)),
+        p.Renew("pre", (), ()),
+        p.Release("pre", "req-1", p.ReleaseKind.ABORTED, PROOF),
         p.Aborted("pre", "req-1", "lease_expired"),
         p.Error("unknown_request", "nope", "req-1", 7),
         p.Error("malformed", "bad", None, None),
@@ -42,53 +44,53 @@ def test_round_trip(msg: p.Message) -> None:
         (b"\xc1\xff garbage", "malformed"),
         (b"", "malformed"),
         (
-            _raw(v=1, t="hello", engine_id="x", transport="tcp", layout=LAYOUT.to_wire()) + b"x",
+            _raw(v=V, t="hello", engine_id="x", transport="tcp", layout=LAYOUT.to_wire()) + b"x",
             "malformed",
         ),
         (msgpack.packb([1, 2, 3]), "malformed"),
-        (_raw(v=2, t="pull"), "version"),
+        (_raw(v=V + 1, t="pull"), "version"),
         (_raw(t="pull"), "version"),
-        (_raw(v=1, t="teleport"), "unknown_type"),
+        (_raw(v=V, t="teleport"), "unknown_type"),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[-1, 2]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[-1, 2]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[0, 0]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[0, 0]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[0, 1.5]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[0, 1.5]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=-1, segments=[[0, 1]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=-1, segments=[[0, 1]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r", xfer_id=True, segments=[[0, 1]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=True, segments=[[0, 1]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="", xfer_id=1, segments=[[0, 1]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="", xfer_id=1, segments=[[0, 1]]),
             "invalid_field",
         ),
         (
-            _raw(v=1, t="pull", engine_id="e", request_id="r" * 257, xfer_id=1, segments=[[0, 1]]),
+            _raw(v=V, t="pull", engine_id="e", request_id="r" * 257, xfer_id=1, segments=[[0, 1]]),
             "invalid_field",
         ),
-        (_raw(v=1, t="pull", engine_id="e", xfer_id=1, segments=[[0, 1]]), "invalid_field"),
+        (_raw(v=V, t="pull", engine_id="e", xfer_id=1, segments=[[0, 1]]), "invalid_field"),
         (
-            _raw(v=1, t="hello", engine_id="e", transport="rdma", layout=LAYOUT.to_wire()),
+            _raw(v=V, t="hello", engine_id="e", transport="rdma", layout=LAYOUT.to_wire()),
             "invalid_field",
         ),
         (
             _raw(
-                v=1,
+                v=V,
                 t="hello",
                 engine_id="e",
                 transport="tcp",
@@ -98,7 +100,7 @@ def test_round_trip(msg: p.Message) -> None:
         ),
         (
             _raw(
-                v=1,
+                v=V,
                 t="hello",
                 engine_id="e",
                 transport="tcp",
@@ -108,7 +110,7 @@ def test_round_trip(msg: p.Message) -> None:
         ),
         (
             _raw(
-                v=1,
+                v=V,
                 t="hello",
                 engine_id="e",
                 transport="tcp",
@@ -116,15 +118,15 @@ def test_round_trip(msg: p.Message) -> None:
             ),
             "invalid_field",
         ),
-        (_raw(v=1, t="renew", engine_id="e", request_ids=["a", 3]), "invalid_field"),
+        (_raw(v=V, t="renew", engine_id="e", request_ids=["a", 3]), "invalid_field"),
         (
-            _raw(v=1, t="renew", engine_id="e", request_ids=["a"] * (p.MAX_RENEW_IDS + 1)),
+            _raw(v=V, t="renew", engine_id="e", request_ids=["a"] * (p.MAX_RENEW_IDS + 1)),
             "invalid_field",
         ),
-        (_raw(v=1, t="release", engine_id="e", request_id="r", kind="maybe"), "invalid_field"),
-        (_raw(v=1, t="pull_done", xfer_id=1, ok=1, reason=None), "invalid_field"),
+        (_raw(v=V, t="release", engine_id="e", request_id="r", kind="maybe"), "invalid_field"),
+        (_raw(v=V, t="pull_done", xfer_id=1, ok=1, reason=None), "invalid_field"),
         (
-            msgpack.packb({"v": 1, "t": "pull_ok", "xfer_id": b"\x01"}, use_bin_type=True),
+            msgpack.packb({"v": V, "t": "pull_ok", "xfer_id": b"\x01"}, use_bin_type=True),
             "malformed",
         ),
         (b"\x00" * (p.MAX_MESSAGE_BYTES + 1), "oversized"),
@@ -153,3 +155,57 @@ def test_plan_segments_coalesces_runs_contiguous_on_both_sides() -> None:
     assert p.plan_segments([5, 4], [1, 2]) == [(5, 1, 1), (4, 2, 1)]
     with pytest.raises(ValueError):
         p.plan_segments([1, 2], [1])
+
+
+def test_sealed_frames_open_only_under_the_same_token() -> None:
+    from tandem.engine.cluster_token import ClusterToken
+    from tandem.kvtransfer.auth import FrameAuth
+
+    ours = FrameAuth(ClusterToken(["token-of-this-cluster-0001"]))
+    theirs = FrameAuth(ClusterToken(["token-of-another-cluster-2"]))
+    msg = p.Pull("pre", "req-1", 7, ((3, 2),), PROOF)
+    assert p.unseal(p.seal(msg, ours), ours) == msg
+    for frame in (p.seal(msg, theirs), p.encode_message(msg), b"", b"\x00" * 40):
+        with pytest.raises(p.ProtocolError) as info:
+            p.unseal(frame, ours)
+        assert info.value.code == "unauthorized"
+    tampered = bytearray(p.seal(msg, ours))
+    tampered[-1] ^= 1
+    with pytest.raises(p.ProtocolError) as info:
+        p.unseal(bytes(tampered), ours)
+    assert info.value.code == "unauthorized"
+    with pytest.raises(p.ProtocolError) as info:
+        p.unseal(b"\x00" * (p.MAX_FRAME_BYTES + 1), ours)
+    assert info.value.code == "oversized"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _raw(v=V, t="pull", engine_id="e", request_id="r", xfer_id=1, segments=[[0, 1]]),
+        _raw(
+            v=V,
+            t="pull",
+            engine_id="e",
+            request_id="r",
+            xfer_id=1,
+            segments=[[0, 1]],
+            proof="AB" * 32,
+        ),  # fmt: skip
+        _raw(
+            v=V,
+            t="pull",
+            engine_id="e",
+            request_id="r",
+            xfer_id=1,
+            segments=[[0, 1]],
+            proof="ab" * 31,
+        ),  # fmt: skip
+        _raw(v=V, t="renew", engine_id="e", request_ids=["a", "b"], proofs=[PROOF]),
+        _raw(v=V, t="release", engine_id="e", request_id="r", kind="done"),
+    ],
+)
+def test_proofs_are_required_and_well_formed(body: bytes) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_message(body)
+    assert info.value.code == "invalid_field"

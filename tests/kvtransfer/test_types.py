@@ -17,6 +17,7 @@ GOOD = {
     "num_tokens": 40,
     "first_token_id": 7,
     "lease_seconds": 10.0,
+    "transfer_secret": "0f" * 32,
 }
 
 
@@ -64,6 +65,9 @@ def test_params_round_trip() -> None:
         ({"lease_seconds": 0}, "lease_seconds"),
         ({"lease_seconds": float("nan")}, "lease_seconds"),
         ({"extra": 1}, "unexpected"),
+        ({"transfer_secret": "0f" * 31}, "transfer_secret"),
+        ({"transfer_secret": "0F" * 32}, "transfer_secret"),
+        ({"transfer_secret": 5}, "transfer_secret"),
     ],
 )
 def test_params_rejects(change: dict, field: str) -> None:
@@ -71,3 +75,9 @@ def test_params_rejects(change: dict, field: str) -> None:
         KVTransferParams.from_dict({**GOOD, **change})
     with pytest.raises(ValueError, match="missing"):
         KVTransferParams.from_dict({k: v for k, v in GOOD.items() if k != "num_tokens"})
+
+
+def test_params_repr_hides_the_transfer_secret() -> None:
+    params = KVTransferParams.from_dict(GOOD)
+    assert GOOD["transfer_secret"] not in repr(params)
+    assert params.to_dict()["transfer_secret"] == GOOD["transfer_secret"]

@@ -86,7 +86,10 @@ def container_env(
 
 
 def _local_args(
-    args: Sequence[str], ports: Mapping[int, int], urls: Mapping[str, str]
+    args: Sequence[str],
+    ports: Mapping[int, int],
+    urls: Mapping[str, str],
+    mounts: Mapping[str, str],
 ) -> list[str]:
     out: list[str] = []
     for i, arg in enumerate(args):
@@ -95,9 +98,10 @@ def _local_args(
             if arg != "0.0.0.0":
                 raise ValueError(f"--host {arg}: expected the pod's 0.0.0.0")
             arg = LOOPBACK
-        elif flag == "--port":
+        elif flag in ("--port", "--internal-port", "--kv-events-port", "--kv-side-channel-port",
+                      "--kv-data-port"):  # fmt: skip
             arg = str(ports[int(arg)])
-        out.append(_rewrite(arg, urls, {}))
+        out.append(_rewrite(arg, urls, mounts))
     return out
 
 
@@ -128,7 +132,7 @@ def local_pod(
         raise ValueError(f"{meta['name']}: readiness probe is not on the http port")
     return LocalPod(
         deployment=meta["name"],
-        argv=tuple(tandem_argv(_local_args(args, ports, urls))),
+        argv=tuple(tandem_argv(_local_args(args, ports, urls, mounts))),
         env=env,
         port=ports[named["http"]],
         readiness_path=probe["path"],

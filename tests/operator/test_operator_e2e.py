@@ -558,6 +558,72 @@ def test_delete_cleans_up_without_stuck_finalizer(cluster: Cluster) -> None:
     remove(cluster, "steady")
 
 
+SECRETS = "/api/v1/namespaces/default/secrets"
+
+
+def test_cluster_token_secret_is_made_once_owned_mounted_and_never_leaks(
+    cluster: Cluster,
+) -> None:
+    import base64
+
+    cluster.apply(tandem_service("tokened", PLAIN))
+    made = wait_for(cluster, "children of tokened", lambda: children(cluster, "tokened"))
+    secret = wait_for(
+        cluster, "the token Secret", lambda: cluster.get(f"{SECRETS}/tokened-cluster-token")
+    )
+    owner = cluster.get(f"{TSVC}/tokened")
+    assert owner is not None
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32
+    for key, child in made.items():
+        if child["kind"] == "Deployment":
+            pod = child["spec"]["template"]["spec"]
+            assert {"name": "cluster-token",
+                    "secret": {"secretName": "tokened-cluster-token", "defaultMode": 0o440}} in (
+                pod["volumes"]
+            ), key  # fmt: skip
+    # A spec change re-renders every child but never remakes the token.
+    spec = copy.deepcopy(PLAIN)
+    spec["decode"]["engineOptions"] = {"max_num_seqs": 4}
+    cluster.apply(tandem_service("tokened", spec))
+    wait_for(
+        cluster,
+        "the re-rendered decode Deployment",
+        lambda: "max_num_seqs=4" in json.dumps(cluster.get(f"{DEPLOY}/tokened-decode") or {}),
+    )
+    again = cluster.get(f"{SECRETS}/tokened-cluster-token")
+    assert again is not None and again["data"] == secret["data"]
+    seen = [json.dumps(c) for c in (children(cluster, "tokened") or {}).values()]
+    seen.append(json.dumps(cluster.get(f"{TSVC}/tokened")))
+    seen.append(json.dumps(cluster.get("/api/v1/namespaces/default/events")))
+    seen.append(cluster.log_path.read_text(errors="replace"))
+    encoded = secret["data"]["token"]
+    for text in seen:
+        assert token not in text and encoded not in text
+    remove(cluster, "tokened")
+    wait_for(cluster, "the Secret deleted with its owner",
+             lambda: cluster.get(f"{SECRETS}/tokened-cluster-token") is None)  # fmt: skip
+
+
+def test_foreign_secret_under_the_token_name_degrades(cluster: Cluster) -> None:
+    cluster.http.post(
+        SECRETS,
+        json={"apiVersion": "v1", "kind": "Secret",
+              "metadata": {"name": "squatted-cluster-token", "namespace": NS},
+              "data": {"token": "c2hvcnQ="}},
+    ).raise_for_status()  # fmt: skip
+    cluster.apply(tandem_service("squatted", PLAIN))
+    wait_for(
+        cluster,
+        "squatted Degraded",
+        lambda: condition(cluster.get(f"{TSVC}/squatted"), "Degraded") == ("True", "ClusterToken"),
+    )
+    assert cluster.get(f"{DEPLOY}/squatted-router") is None  # no pod without its token
+    remove(cluster, "squatted")
+    cluster.http.delete(f"{SECRETS}/squatted-cluster-token")
+
+
 def rbac_rules() -> list[dict[str, Any]]:
     (role,) = [d for d in yaml.safe_load_all((MANIFESTS / "rbac/cluster-role.yaml").read_text())]
     return role["rules"]

@@ -32,7 +32,7 @@ from dashboard import dashboard_exprs, to_promql
 from kube_emulator import EmulatorThread
 from local_process import LocalProcess, tandem_argv
 from pod_commands import container_env, expand, local_pod, service_urls
-from procs import Proc, free_port, wait_for
+from procs import AUTH, CLUSTER_TOKEN, Proc, free_port, wait_for
 from prom_server import PrometheusServer, ScrapeTarget, prometheus_binary, prometheus_config
 from prometheus_client import CollectorRegistry
 
@@ -94,11 +94,14 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
     deployments = [c for c in children if c["kind"] == "Deployment"]
     services = [c for c in children if c["kind"] == "Service"]
     config_maps = {c["metadata"]["name"]: c["data"] for c in children if c["kind"] == "ConfigMap"}
-    ports = {8000: 18000, 8100: 18100, 8200: 18200}
+    ports = {8000: 18000, 8001: 18001, 8100: 18100, 8101: 18101, 8102: 18102, 8103: 18103,
+             8200: 18200, 8201: 18201}  # fmt: skip
     urls = service_urls(services, deployments, ports)
     # Worker Services are headless and selected per pod; their URLs are never used, but map too.
     assert urls["http://demo-router.default.svc:8000"] == "http://127.0.0.1:18000"
-    prefill = local_pod(deployments[1], config_maps, ports, urls, {"/tmp": "/x/prefill"})
+    assert urls["http://demo-router-internal.default.svc:8001"] == "http://127.0.0.1:18001"
+    mounts = {"/tmp": "/x/prefill", "/etc/tandem/cluster-token": "/x/token"}
+    prefill = local_pod(deployments[1], config_maps, ports, urls, mounts)
     assert prefill.argv == tuple(
         tandem_argv(
             [
@@ -110,9 +113,17 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
                 "--port",
                 "18100",
                 "--router-url",
-                "http://127.0.0.1:18000",
+                "http://127.0.0.1:18001",
+                "--cluster-token-file",
+                "/x/token/token",
                 "--kv-transport",
                 "tcp",
+                "--kv-events-port",
+                "18101",
+                "--kv-side-channel-port",
+                "18102",
+                "--kv-data-port",
+                "18103",
                 "--engine-option",
                 "max_num_batched_tokens=512",
             ]
@@ -133,6 +144,7 @@ def test_local_pod_substitutes_only_what_cannot_work_locally() -> None:
         "TANDEM_SERVED_MODEL_NAME": "demo",
         "TRANSFORMERS_OFFLINE": "1",
         "TRITON_CACHE_DIR": "/x/prefill/.triton",
+        "UCX_TCP_PORT_RANGE": "8300-8349",
         "XDG_CACHE_HOME": "/x/prefill/.cache",
     }
     with pytest.raises(ValueError, match="envFrom"):
@@ -245,18 +257,25 @@ def test_rendered_pod_commands_serve(tmp_path: Path) -> None:
     }
     urls = service_urls(services, deployments, ports)
     router_local = urls[f"http://demo-router.{NS}.svc:{spec.router.port}"]
+    registry_local = urls[f"http://demo-router-internal.{NS}.svc:{spec.router.internal_port}"]
+    # The mounted cluster-token Secret, as the kubelet would project it.
+    secret_dir = tmp_path / "cluster-token"
+    secret_dir.mkdir()
+    (secret_dir / "token").write_text(CLUSTER_TOKEN + "\n")
     pods = []
     for d in deployments:
         pod_tmp = tmp_path / d["metadata"]["name"]
         pod_tmp.mkdir()
-        pods.append(local_pod(d, config_maps, ports, urls, {"/tmp": str(pod_tmp)}))
+        mounts = {"/tmp": str(pod_tmp), "/etc/tandem/cluster-token": str(secret_dir)}
+        pods.append(local_pod(d, config_maps, ports, urls, mounts))
     assert pods[0].deployment == "demo-router"
     assert router_local == f"http://127.0.0.1:{pods[0].port}"
     running: list[LocalProcess] = []
     try:
         for pod in pods:
-            env = {**os.environ, **pod.env}
-            running.append(LocalProcess(pod.argv, tmp_path, pod.deployment, env))
+            # The host's environment minus any token: the pods read theirs from the file.
+            host = {k: v for k, v in os.environ.items() if k != "TANDEM_CLUSTER_TOKEN"}
+            running.append(LocalProcess(pod.argv, tmp_path, pod.deployment, {**host, **pod.env}))
         for pod, proc in zip(pods, running, strict=True):
             proc.wait_http_ok(f"http://127.0.0.1:{pod.port}{pod.readiness_path}", 120)
 
@@ -264,7 +283,8 @@ def test_rendered_pod_commands_serve(tmp_path: Path) -> None:
             for proc in running:
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
-            workers = httpx.get(f"{router_local}/internal/workers", timeout=2).json()["workers"]
+            r = httpx.get(f"{registry_local}/internal/workers", headers=AUTH, timeout=2)
+            workers = r.json()["workers"]
             return workers if len(workers) == 2 else None
 
         workers = poll("both workers registered with the rendered router", registered, 60)
@@ -323,6 +343,7 @@ class LiveStack:
         self.tmp = tmp
         self.up_port = free_port()
         self.up_url = f"http://127.0.0.1:{self.up_port}"
+        self.up_internal = free_port()
         self.operator_port = free_port()
         self.up: Proc | None = None
         self.operator: LocalProcess | None = None
@@ -342,6 +363,8 @@ class LiveStack:
                 "up",
                 "--port",
                 str(self.up_port),
+                "--internal-port",
+                str(self.up_internal),
                 "--prefill",
                 "1",
                 "--decode",
@@ -405,7 +428,10 @@ class LiveStack:
         if not self.up.alive():
             raise RuntimeError(f"tandem up exited:\n{self.up.log_tail()}")
         try:
-            workers = httpx.get(f"{self.up_url}/internal/workers", timeout=2).json()["workers"]
+            r = httpx.get(
+                f"http://127.0.0.1:{self.up_internal}/internal/workers", headers=AUTH, timeout=2
+            )
+            workers = r.json()["workers"]
         except (httpx.HTTPError, ValueError):
             return None
         return workers if sorted(w["role"] for w in workers) == ["decode", "prefill"] else None

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from dashboard import dashboard_exprs, dashboard_panels, dashboard_queries
 
-from tandem.operator.children import POOL_LABEL, SERVICE_LABEL
+from tandem.operator.naming import POOL_LABEL, SERVICE_LABEL
 from tandem.operator.spec import DEFAULT_SELECTOR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_kustomization_lists_every_operator_manifest() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("folder", ["", "samples", "monitoring"])
+@pytest.mark.parametrize("folder", ["", "samples", "monitoring", "security"])
 def test_kustomize_builds(folder: str) -> None:
     out = subprocess.run(
         ["kubectl", "kustomize", str(MANIFESTS / folder)],
@@ -95,6 +95,7 @@ def test_kustomize_builds(folder: str) -> None:
         ],
         "samples": ["TandemService"],
         "monitoring": ["ConfigMap", "ServiceMonitor", "PodMonitor"],
+        "security": ["NetworkPolicy", "NetworkPolicy"],
     }[folder]
     assert sorted(kinds) == sorted(expected)
 
@@ -201,3 +202,72 @@ def test_dockerfile_installs_every_package_folder() -> None:
     assert "torch==2.13.0" in text and "whl/cpu" in text
     assert re.search(r"^USER 10001", text, flags=re.M)
     assert text.index("pip install --index-url") < text.index('pip install ".')
+
+
+def _admitted(policy: dict[str, Any], labels: dict[str, str], port: int) -> bool:
+    """Whether ``policy`` admits a pod carrying ``labels`` (same namespace) to ``port``."""
+
+    def selects(sel: dict[str, Any]) -> bool:
+        ok = all(labels.get(k) == v for k, v in (sel.get("matchLabels") or {}).items())
+        for e in sel.get("matchExpressions") or []:
+            assert e["operator"] == "In"
+            ok = ok and labels.get(e["key"]) in e["values"]
+        return ok
+
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        peer_ok = peers is None or any(
+            "namespaceSelector" not in peer and selects(peer["podSelector"]) for peer in peers
+        )
+        port_ok = any(
+            p["port"] <= port <= p.get("endPort", p["port"]) for p in rule.get("ports") or []
+        )
+        if peer_ok and port_ok:
+            return True
+    return False
+
+
+def test_network_policy_matches_the_rendered_ports_and_admits_only_whom_it_should() -> None:
+    """The policy's ports are the operator's rendering of the samples: every port a rendered
+    pod declares is admitted from exactly the peers that need it, and nothing else is."""
+    from tandem.operator.children import Owner, Replicas, render_children
+    from tandem.operator.naming import UCX_TCP_PORT_RANGE
+    from tandem.operator.spec import parse_spec
+
+    for doc in load("security/network-policy.yaml"):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    router_pol, workers_pol = load("security/network-policy.yaml")
+    sample = next(d for d in load("samples/demo-cpu.yaml") if d["kind"] == "TandemService")
+    children = render_children(Owner("demo", "ns", "u"), parse_spec(sample["spec"]),
+                               Replicas(1, 1))  # fmt: skip
+    pods = {}
+    for d in children:
+        if d["kind"] == "Deployment":
+            template = d["spec"]["template"]
+            (container,) = template["spec"]["containers"]
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            pods[d["metadata"]["labels"]["app.kubernetes.io/component"]] = (
+                template["metadata"]["labels"], ports,
+            )  # fmt: skip
+    router, prefill, decode = (pods[n][0] for n in ("router", "prefill", "decode"))
+    stranger = {"app.kubernetes.io/name": "something-else"}
+    rp, pp, dp = (pods[n][1] for n in ("router", "prefill", "decode"))
+    # router: public port from anyone; registry only from workers
+    assert _admitted(router_pol, stranger, rp["http"])
+    assert _admitted(router_pol, prefill, rp["internal"]) and _admitted(
+        router_pol, decode, rp["internal"]
+    )
+    assert not _admitted(router_pol, stranger, rp["internal"])
+    # workers: internal API and KV events only from the router; KV ports only from workers
+    for ports in (pp, dp):
+        for name in ("http", "kv-events"):
+            assert _admitted(workers_pol, router, ports[name])
+            assert not _admitted(workers_pol, stranger, ports[name])
+            assert not _admitted(workers_pol, decode, ports[name])  # workers: KV ports only
+    for name in ("kv-side", "kv-data"):
+        assert _admitted(workers_pol, decode, pp[name])
+        assert not _admitted(workers_pol, router, pp[name])
+        assert not _admitted(workers_pol, stranger, pp[name])
+    lo, hi = UCX_TCP_PORT_RANGE
+    assert _admitted(workers_pol, decode, lo) and _admitted(workers_pol, prefill, hi)
+    assert not _admitted(workers_pol, router, lo)

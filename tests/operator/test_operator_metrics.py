@@ -279,6 +279,85 @@ async def test_prometheus_source_error_means_no_signals() -> None:
     assert signals == {Pool.PREFILL: None, Pool.DECODE: None}
 
 
+class HostilePrometheus:
+    """A tenant's prometheusUrl that misbehaves one way per path prefix."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def _huge(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        chunk = b"[" * (1 << 20)
+        for _ in range(64):  # 64 MiB, endless as far as the reader is concerned
+            await resp.write(chunk)
+        return resp
+
+    async def _slow(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.json_response({})
+
+    async def _redirect(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound("http://169.254.169.254/latest/meta-data/")
+
+    async def _garbage(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"\xff\xfe not json")
+
+    async def _odd(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "success",
+                                  "data": {"resultType": "vector", "result": [7]}})  # fmt: skip
+
+    async def __aenter__(self) -> HostilePrometheus:
+        app = web.Application()
+        for name in ("huge", "slow", "redirect", "garbage", "odd"):
+            app.router.add_get(f"/{name}/api/v1/query", getattr(self, f"_{name}"))
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("huge", "exceeds"),
+        ("slow", "timed out"),
+        ("redirect", "HTTP 302"),
+        ("garbage", "unreadable"),
+        ("odd", "unreadable"),
+    ],
+)
+async def test_hostile_prometheus_only_means_no_signals(path: str, why: str) -> None:
+    async with HostilePrometheus() as prom, aiohttp.ClientSession() as http:
+        source = PrometheusSource(f"http://127.0.0.1:{prom.port}/{path}", SELECTOR, 60, 0,
+                                  timeout_seconds=1.0, max_reply_bytes=64 * 1024)  # fmt: skip
+        before = _rss_bytes()
+        started = time.monotonic()
+        signals = await source.collect(http, [], now=0)
+        elapsed = time.monotonic() - started
+        grew = _rss_bytes() - before
+    assert signals == {Pool.PREFILL: None, Pool.DECODE: None}
+    assert source.last_error is not None and why in source.last_error
+    assert elapsed < 3.0  # the deadline holds, whatever the server does
+    # Reading the 11 replies whole would take 704 MiB (the server here shares our process).
+    assert grew < 128 * 1024 * 1024
+
+
 def test_parse_scalar_result_rejects_bad_bodies() -> None:
     with pytest.raises(PromQueryError):
         parse_scalar_result({"status": "error", "error": "boom"})

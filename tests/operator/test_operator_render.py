@@ -203,6 +203,7 @@ def test_render_children_names_and_owner() -> None:
         "Service/demo-router",
         "Service/demo-prefill",
         "Service/demo-decode",
+        "Service/demo-router-internal",
     ]
     for child in children:
         (ref,) = child["metadata"]["ownerReferences"]
@@ -233,6 +234,10 @@ def test_render_commands() -> None:
         "0.0.0.0",
         "--port",
         "8000",
+        "--internal-port",
+        "8001",
+        "--cluster-token-file",
+        "/etc/tandem/cluster-token/token",
         "--policy",
         "prefix-aware",
         "--local-prefill-threshold",
@@ -252,9 +257,13 @@ def test_render_commands() -> None:
         "--port",
         "8200",
         "--router-url",
-        "http://demo-router.llm.svc:8000",
+        "http://demo-router-internal.llm.svc:8001",
+        "--cluster-token-file",
+        "/etc/tandem/cluster-token/token",
         "--kv-transport",
         "ucx",
+        "--kv-events-port",
+        "8201",
         "--served-model-name",
         "llama-3-8b-instruct",
         "--engine-option",
@@ -269,11 +278,33 @@ def test_render_commands() -> None:
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in decode["volumeMounts"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert decode[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # The drain route needs the cluster token, which an httpGet hook cannot send.
     assert decode["lifecycle"] == {
-        "preStop": {"httpGet": {"path": "/v1/internal/drain?timeout=50", "port": "http"}}
+        "preStop": {
+            "exec": {
+                "command": [
+                    "tandem",
+                    "drain",
+                    "--port",
+                    "8200",
+                    "--timeout",
+                    "50",
+                    "--cluster-token-file",
+                    "/etc/tandem/cluster-token/token",
+                ]  # fmt: skip
+            }
+        }
     }
     assert "lifecycle" not in router
-    assert decode["ports"] == [{"name": "http", "containerPort": 8200, "protocol": "TCP"}]
+    assert decode["ports"] == [
+        {"name": "http", "containerPort": 8200, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": 8201, "protocol": "TCP"},
+    ]
+    prefill = named["Deployment/demo-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert prefill["args"][prefill["args"].index("--kv-events-port") :][:6] == [
+        "--kv-events-port", "8101", "--kv-side-channel-port", "8102", "--kv-data-port", "8103",
+    ]  # fmt: skip
+    assert [p["containerPort"] for p in prefill["ports"]] == [8100, 8101, 8102, 8103]
 
 
 def test_render_security_and_metrics_labels() -> None:
@@ -533,3 +564,34 @@ def test_prefill_overload_queue_reaches_the_router_command() -> None:
     )
     with pytest.raises(SpecError, match="prefillOverloadQueue must be >= 0"):
         parse_spec({"router": {"prefillOverloadQueue": -1}})
+
+
+def test_every_pod_mounts_the_cluster_token_secret_and_no_child_holds_a_token() -> None:
+    children = render_children(OWNER, gpu_spec(), Replicas(2, 2))
+    deployments = [c for c in children if c["kind"] == "Deployment"]
+    assert len(deployments) == 3
+    for d in deployments:
+        pod = d["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "cluster-token")
+        assert volume["secret"]["secretName"] == "demo-cluster-token"
+        # not a subPath: a rotated Secret reaches the running pod
+        assert {"name": "cluster-token", "mountPath": "/etc/tandem/cluster-token",
+                "readOnly": True} in container["volumeMounts"]  # fmt: skip
+        args = container["args"]
+        assert args[args.index("--cluster-token-file") + 1] == "/etc/tandem/cluster-token/token"
+        assert not any("TOKEN" in e["name"] for e in container["env"])
+    assert not any(c["kind"] == "Secret" for c in children)  # made once, never rendered
+
+
+def test_internal_service_is_headless_and_separate_from_the_public_one() -> None:
+    named = by_name(render_children(OWNER, gpu_spec(), Replicas(1, 1)))
+    internal = named["Service/demo-router-internal"]["spec"]
+    assert internal["clusterIP"] == "None"
+    assert internal["ports"] == [
+        {"name": "internal", "port": 8001, "targetPort": "internal", "protocol": "TCP"}
+    ]
+    public = named["Service/demo-router"]["spec"]
+    assert [p["name"] for p in public["ports"]] == ["http"]
+    router = named["Deployment/demo-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router["ports"][1] == {"name": "internal", "containerPort": 8001, "protocol": "TCP"}

@@ -26,7 +26,7 @@ import pytest
 from chat_load import ChatLoad
 from kube_emulator import EmulatorThread
 from local_process import LocalProcess, tandem_argv
-from procs import Proc, free_port, wait_for
+from procs import AUTH, Proc, free_port, wait_for
 from sim_profiles import synthetic_profile
 
 from tandem.engine.sim.profile import ServingCost
@@ -50,13 +50,15 @@ class SimStack:
         self.cleanup.callback(self.kube.close)
         self.up_port = free_port()
         self.up_url = f"http://127.0.0.1:{self.up_port}"
+        self.up_internal = free_port()
         self.operator: LocalProcess | None = None
 
     def start(self) -> dict[str, int]:
         PROFILE.save(self.tmp / "profile.json")
         up = Proc(["up", "--simulate", str(self.tmp / "profile.json"), "--prefill", "1",
                    "--decode", "1", "--kv-transport", "tcp", "--port", str(self.up_port),
-                   "--log-dir", str(self.tmp)], self.tmp, "up")  # fmt: skip
+                   "--internal-port", str(self.up_internal), "--log-dir", str(self.tmp)],
+                  self.tmp, "up")  # fmt: skip
         self.cleanup.callback(up.stop, signal.SIGINT)
         self.emulator.start()
         self.cleanup.callback(self.emulator.stop)
@@ -79,7 +81,8 @@ class SimStack:
             if not up.alive():
                 raise RuntimeError(up.log_tail())
             try:
-                found = httpx.get(f"{self.up_url}/internal/workers", timeout=2).json()["workers"]
+                url = f"http://127.0.0.1:{self.up_internal}/internal/workers"
+                found = httpx.get(url, headers=AUTH, timeout=2).json()["workers"]
             except (httpx.HTTPError, ValueError):
                 return None
             return found if len(found) == 2 else None

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from worker_double import build_tokenizer, serve
 
 from tandem.router.app import create_app
+from tandem.router.internal_app import create_internal_app
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,9 @@ async def make_cluster(tokenizer_dir: Path, tokenizer: Any) -> AsyncIterator[Cal
 
     async def make(roles: tuple[str, ...] = ("prefill", "decode"), **config: Any) -> Cluster:
         app = create_app(router_config(tokenizer_dir, **config))
-        cluster = Cluster(await serve(app), app, tokenizer)
+        public = await serve(app)
+        cluster = Cluster(public, await serve(create_internal_app(app), lifespan="off"), app,
+                          tokenizer)  # fmt: skip
         clusters.append(cluster)
         for role in roles:
             await cluster.add(role)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from worker_double import Served, WorkerDouble
+from worker_double import TEST_TOKEN, Served, WorkerDouble
 
 from tandem.router.app import RouterConfig
 from tandem.router.placement import Policy
@@ -28,6 +28,7 @@ def router_config(tokenizer_dir: Path, **overrides: Any) -> RouterConfig:
         events_stale_after_s=5.0,
         timeouts=Timeouts(connect_s=2.0, read_s=10.0, control_s=2.0),
         poll_s=0.05,
+        cluster_token=TEST_TOKEN,
     )
     return replace(base, **overrides)
 
@@ -45,6 +46,7 @@ async def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "
 @dataclass
 class Cluster:
     router: Served
+    internal: Served  # the router's internal listener: registration, behind the cluster token
     app: Any
     tokenizer: Any
     workers: list[WorkerDouble] = field(default_factory=list)
@@ -54,12 +56,16 @@ class Cluster:
         return self.router.url
 
     @property
+    def internal_url(self) -> str:
+        return self.internal.url
+
+    @property
     def state(self) -> Any:
         return self.app.state.router
 
     async def add(self, role: str, **kw: Any) -> WorkerDouble:
         w = WorkerDouble(role=role, tokenizer=self.tokenizer, model=MODEL, **kw)
-        await w.start(self.url)
+        await w.start(self.internal_url)
         self.workers.append(w)
         await wait_for(lambda: self.state.registry.is_live(w.engine_id), what="registration")
         await wait_for(lambda: self.state.index.is_synced(w.engine_id), what="kv snapshot")
@@ -74,4 +80,5 @@ class Cluster:
     async def stop(self) -> None:
         for w in self.workers:
             await w.stop()
+        await self.internal.stop()
         await self.router.stop()

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from router_testlib import MODEL, wait_for
+from worker_double import TEST_TOKEN
 
 from tandem.engine.hashing import hash_block_tokens
 from tandem.engine.role import Role
@@ -232,17 +233,17 @@ async def test_lost_kv_events_trigger_resync(make_cluster: Any) -> None:
 
 async def test_registration_endpoints_validate(make_cluster: Any) -> None:
     c = await make_cluster(roles=())
-    async with httpx.AsyncClient() as h:
-        r = await h.post(f"{c.url}/internal/workers/register", json={"engine_id": "x"})
+    async with httpx.AsyncClient(base_url=c.internal_url, headers=TEST_TOKEN.headers()) as h:
+        r = await h.post("/internal/workers/register", json={"engine_id": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"]
-        r = await h.post(f"{c.url}/internal/workers/heartbeat", json={"engine_id": "nobody"})
+        r = await h.post("/internal/workers/heartbeat", json={"engine_id": "nobody"})
         assert r.status_code == 404
-        r = await h.post(f"{c.url}/internal/workers/register", content=b"\xff")
+        r = await h.post("/internal/workers/register", content=b"\xff")
         assert r.status_code == 400
         w = await c.add("decode")
-        r = await h.post(f"{c.url}/internal/workers/deregister", json={"engine_id": w.engine_id})
+        r = await h.post("/internal/workers/deregister", json={"engine_id": w.engine_id})
         assert r.json() == {"deregistered": True}
-        listed = json.loads((await h.get(f"{c.url}/internal/workers")).text)["workers"]
+        listed = json.loads((await h.get("/internal/workers")).text)["workers"]
     assert listed == []
 
 
@@ -255,7 +256,7 @@ async def test_worker_restart_replaces_old_engine(make_cluster: Any, oai: Any) -
     w.engine_id = "restarted"  # same URL, new engine id: what a restarted worker registers
     w.stored.clear()
     w.seq = -1
-    await w.register(c.url)
+    await w.register(c.internal_url)
     assert not c.state.registry.is_live(old_id) and c.state.index.size(old_id) == 0
     await wait_for(lambda: c.state.index.is_synced("restarted"), what="resync of the new engine")
     r = await oai(c.url).completions.create(model=MODEL, prompt="abc", max_tokens=2)

@@ -94,3 +94,69 @@ def test_bad_heartbeat_is_rejected(bad: dict) -> None:
     body = {"engine_id": "e1", **bad} if bad else {"running": 1}
     with pytest.raises(OpenAIError):
         Heartbeat.from_json(body)
+
+
+def test_live_engine_id_stays_bound_to_its_registration() -> None:
+    clock = Clock()
+    reg = WorkerRegistry(clock, heartbeat_timeout_s=3.0, model="m")
+    reg.register(WorkerInfo.from_json(info("d1", "http://w1:1")))
+    reg.register(WorkerInfo.from_json(info("d1", "http://w1:1")))  # the same again: a refresh
+    for patch, param in (({"url": "http://rogue:1"}, "url"), ({"role": "prefill"}, "role"),
+                         ({"num_blocks": 7}, "engine_id")):  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            reg.register(WorkerInfo.from_json(info("d1", **{"url": "http://w1:1", **patch})))
+        assert (e.value.status, e.value.param) == (409, param)
+    assert reg.get("d1").info.url == "http://w1:1"
+    # until it expires (or deregisters): then the id is free again
+    clock.now += 3.5
+    reg.expire()
+    reg.register(WorkerInfo.from_json(info("d1", "http://w2:1")))
+    assert reg.get("d1").info.url == "http://w2:1"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://w1", "http://w1:0", "http://w1:99999", "http://w1:1/path", "http://w1:1?q=1",
+        "http://w1:1#f", "http://u:p@w1:1", "http://w1:1/?", "http://:1", "http://w 1:1",
+        "file:///etc/passwd", "http://w1:1/x/../y",
+    ],
+)  # fmt: skip
+def test_worker_url_is_scheme_host_port_only(url: str) -> None:
+    with pytest.raises(OpenAIError) as e:
+        WorkerInfo.from_json(info(url=url))
+    assert (e.value.status, e.value.param) == (400, "url")
+
+
+def test_good_urls_and_endpoints() -> None:
+    for url in ("http://10.1.2.3:8100", "https://w-1.ns.svc.cluster.local:443/", "http://[::1]:80"):
+        assert WorkerInfo.from_json(info(url=url)).url == url.rstrip("/")
+    for bad in ("tcp://w1", "ipc:///x", "tcp://w1:2/x", "udp://w1:2"):
+        with pytest.raises(OpenAIError) as e:
+            WorkerInfo.from_json(info(kv_events_endpoint=bad))
+        assert e.value.param == "kv_events_endpoint"
+
+
+def test_router_checks_hash_algorithm_and_context() -> None:
+    from tandem.router.registry import check_against_router
+
+    good = WorkerInfo.from_json(info(hash_algorithm="h", max_model_len=2048))
+    check_against_router(good, "h", 4096)
+    check_against_router(good, "h", None)  # a bare tokenizer directory: no model limit known
+    for w, algo, ctx, param in (
+        (good, "other", 4096, "hash_algorithm"),
+        (good, "h", 2047, "max_model_len"),
+        (WorkerInfo.from_json(info(hash_algorithm="h", max_model_len=8, block_size=16)), "h",
+         None, "max_model_len"),
+    ):  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            check_against_router(w, algo, ctx)
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_registration_sizes_are_bounded() -> None:
+    for key, value in (("num_blocks", 1 << 40), ("max_model_len", 1 << 30), ("block_size", 4096),
+                       ("engine_id", "e" * 257)):  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            WorkerInfo.from_json(info(**{key: value}))
+        assert e.value.param == key

@@ -24,18 +24,22 @@ def test_specs_disaggregated() -> None:
     cfg = UpConfig(model="/m", port=9000, prefill=1, decode=2, kv_transport="tcp",
                    local_prefill_threshold=64, prefill_overload_queue=6,
                    engine_options=("max_num_seqs=8",))  # fmt: skip
-    specs = build_specs(cfg, iter([7001, 7002, 7003]), python=PY)
+    specs = build_specs(cfg, iter([9001, 7001, 7002, 7003]), python=PY, token="t" * 32)
     base = (PY, "-m", "tandem.cli")
     assert [s.name for s in specs] == ["router", "prefill-0", "decode-0", "decode-1"]
     assert specs[0].argv == base + (
         "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
+        "--internal-port", "9001",
         "--policy", "prefix-aware", "--local-prefill-threshold", "64",
         "--prefill-overload-queue", "6",
     )  # fmt: skip
-    assert specs[0].env == ()
+    # The cluster token reaches every child through its environment only.
+    assert all(s.env == (("TANDEM_CLUSTER_TOKEN", "t" * 32),) for s in specs)
+    assert not any("t" * 32 in " ".join(s.argv) for s in specs)
+    assert specs[0].internal_url == "http://127.0.0.1:9001"
     assert specs[1].argv == base + (
         "prefill", "--model", "/m", "--host", "127.0.0.1", "--port", "7001",
-        "--router-url", "http://127.0.0.1:9000", "--kv-transport", "tcp",
+        "--router-url", "http://127.0.0.1:9001", "--kv-transport", "tcp",
         "--engine-option", "max_num_seqs=8",
     )  # fmt: skip
     assert [s.url for s in specs[1:]] == [f"http://127.0.0.1:{p}" for p in (7001, 7002, 7003)]
@@ -43,11 +47,12 @@ def test_specs_disaggregated() -> None:
 
 
 def test_specs_colocated_and_api_key_in_env() -> None:
-    cfg = UpConfig(prefill=0, decode=2, api_key="k")
+    cfg = UpConfig(prefill=0, decode=2, api_key="k", internal_port=8001)
     specs = build_specs(cfg, iter([1, 2]), python=PY)
     assert [s.role for s in specs] == ["router", "colocated", "colocated"]
     assert specs[1].argv[3] == "colocated"
     assert specs[0].env == (("TANDEM_API_KEY", "k"),)
+    assert "k" not in repr(specs[0])
     assert "k" not in specs[0].argv
     assert "Authorization: Bearer k" in curl_line(cfg)
 

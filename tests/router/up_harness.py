@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, generate_token
 from tandem.up import ProcessSpec, free_port, launch
 
 HERE = Path(__file__).parent
@@ -20,11 +21,15 @@ def main() -> int:
     p.add_argument("--fail-worker", action="store_true")
     a = p.parse_args()
     router_url = f"http://127.0.0.1:{a.port}"
+    internal = free_port()
+    internal_url = f"http://127.0.0.1:{internal}"
+    env = ((CLUSTER_TOKEN_ENV, generate_token()),)  # as `tandem up` does: one per run
     router = ProcessSpec(
         "router", "router",
         (sys.executable, "-m", "tandem.cli", "router", "--model", "test-model", "--tokenizer",
-         a.tokenizer, "--host", "127.0.0.1", "--port", str(a.port), "--heartbeat-timeout", "2"),
-        router_url,
+         a.tokenizer, "--host", "127.0.0.1", "--port", str(a.port), "--internal-port",
+         str(internal), "--heartbeat-timeout", "2"),
+        router_url, env, internal_url,
     )  # fmt: skip
     specs = [router]
     for role in ("prefill", "decode"):
@@ -37,13 +42,13 @@ def main() -> int:
             "--port",
             str(port),
             "--router-url",
-            router_url,
+            internal_url,
             "--tokenizer",
             a.tokenizer,
             "--model",
             "test-model",
         )
-        specs.append(ProcessSpec(f"{role}-0", role, argv, f"http://127.0.0.1:{port}"))
+        specs.append(ProcessSpec(f"{role}-0", role, argv, f"http://127.0.0.1:{port}", env))
     if a.fail_worker:
         argv = (sys.executable, "-c", "print('boom: cannot load weights'); raise SystemExit(3)")
         specs.append(ProcessSpec("decode-1", "decode", argv, "http://127.0.0.1:1"))

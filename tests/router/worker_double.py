@@ -24,8 +24,15 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.hashing import HASH_ALGORITHM, hash_block_tokens
+from tandem.engine.internal_auth import ClusterAuth
+from tandem.engine.worker.kv_publisher import TokenAuthenticator
 from tandem.router.tokenizer import _bytes_to_unicode
+
+# The cluster token the router tests run with: the router presents it to the doubles, which
+# refuse internal calls without it, and the doubles present it when they register.
+TEST_TOKEN = ClusterToken(["router-tests-cluster-token-0001"])
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -81,12 +88,14 @@ class Served:
         await asyncio.wait_for(self.task, 10)
 
 
-async def serve(app: Any, port: int = 0) -> Served:
+async def serve(app: Any, port: int = 0, lifespan: str = "on") -> Served:
     """Serve an ASGI app on a loopback port in this event loop; returns once it accepts."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     deadline = asyncio.get_running_loop().time() + 10
@@ -108,6 +117,7 @@ class WorkerDouble:
     max_model_len: int = 256
     num_blocks: int = 64
     behaviour: Behaviour = field(default_factory=Behaviour)
+    token: ClusterToken | None = TEST_TOKEN
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     generate_calls: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -115,6 +125,8 @@ class WorkerDouble:
     seq: int = -1
     served: Served | None = None
     _pub: Any = None
+    _ctx: Any = None
+    _auth: Any = None
     _events_port: int = 0
     _active: dict[str, asyncio.Event] = field(default_factory=dict)
     _hb_task: asyncio.Task[None] | None = None
@@ -161,8 +173,16 @@ class WorkerDouble:
         return cached * self.block_size
 
     # -- app ------------------------------------------------------------------------------------
+    def headers(self) -> dict[str, str]:
+        return self.token.headers() if self.token is not None else {}
+
     def app(self) -> FastAPI:
         app = FastAPI()
+        app.add_middleware(
+            ClusterAuth,
+            token=self.token,
+            protects=lambda path: path == "/info" or path.startswith("/v1/internal/"),
+        )
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -261,9 +281,15 @@ class WorkerDouble:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, router_url: str | None, port: int = 0) -> WorkerDouble:
-        ctx = zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
+        # As the worker's publisher: its own context, a PLAIN server checking the token.
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if self.token is not None:
+            self._auth = TokenAuthenticator(self._ctx, self.token)
+            self._auth.start()
+            self._pub.plain_server = True
+            self._pub.zap_domain = b"tandem"
         self._events_port = self._pub.bind_to_random_port("tcp://127.0.0.1")
         self.served = await serve(self.app(), port)
         if router_url is not None:
@@ -272,7 +298,9 @@ class WorkerDouble:
 
     async def register(self, router_url: str) -> None:
         async with httpx.AsyncClient() as c:
-            r = await c.post(f"{router_url}/internal/workers/register", json=self.info())
+            r = await c.post(
+                f"{router_url}/internal/workers/register", json=self.info(), headers=self.headers()
+            )
             r.raise_for_status()
 
     async def _heartbeats(self, router_url: str) -> None:
@@ -295,7 +323,11 @@ class WorkerDouble:
                         "num_free_blocks": self.num_blocks,
                     }
                     try:
-                        r = await c.post(f"{router_url}/internal/workers/heartbeat", json=hb)
+                        r = await c.post(
+                            f"{router_url}/internal/workers/heartbeat",
+                            json=hb,
+                            headers=self.headers(),
+                        )
                         if r.status_code == 404:
                             await self.register(router_url)
                     except httpx.HTTPError:
@@ -309,6 +341,9 @@ class WorkerDouble:
         if self.served is not None:
             await self.served.stop()
         self._pub.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
 
 
 def chunk(

@@ -10,11 +10,16 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from worker_double import WorkerDouble
 
+from tandem.engine.cluster_token import ClusterToken
+
 
 async def amain(args: argparse.Namespace) -> None:
     # The raw tokenizers object decodes like the HF one and avoids importing transformers.
     tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
-    w = WorkerDouble(role=args.role, tokenizer=tok, model=args.model)
+    # As a real worker: the cluster token from the environment `tandem up` hands over.
+    w = WorkerDouble(
+        role=args.role, tokenizer=tok, model=args.model, token=ClusterToken.require(None)
+    )
     await w.start(args.router_url, port=args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -72,3 +72,25 @@ def test_kv_events_wire_format_is_exact() -> None:
         "seq": 7,
         "events": [["stored", [h1, h2]], ["removed", [h1]], ["cleared"]],
     }
+
+
+@pytest.mark.parametrize(
+    ("ok", "past", "param"),
+    [
+        ({"n": 128}, {"n": 129}, "n"),
+        ({"n": 128}, {"n": 10**9}, "n"),  # refused before any per-choice work
+        ({"stop": ["s"] * 16}, {"stop": ["s"] * 17}, "stop"),
+        ({"stop": ["x" * 1024]}, {"stop": ["x" * 1025]}, "stop"),
+        ({"stop": "é" * 512}, {"stop": "é" * 513}, "stop"),
+        ({"stop_token_ids": [1] * 256}, {"stop_token_ids": [1] * 257}, "stop_token_ids"),
+        ({"logprobs": 20}, {"logprobs": 21}, "sampling_params"),
+    ],
+)
+def test_worker_rechecks_the_router_limits(ok: dict, past: dict, param: str) -> None:
+    """Defence in depth: a request that reached a worker without the router gets the same
+    bounds, each accepted at the limit and refused one past it."""
+    base = {"request_id": "r", "prompt_token_ids": [1, 2]}
+    assert parse_generate_request({**base, "sampling_params": ok}).params is not None
+    with pytest.raises(BadRequest) as e:
+        parse_generate_request({**base, "sampling_params": past})
+    assert e.value.param == param

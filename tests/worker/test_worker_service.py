@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, wait_healthy
+from checkpoints import write_random_checkpoint
+from procs import AUTH, Proc, free_port, wait_healthy
 
 from tandem import LLM, SamplingParams
 from tandem.engine.output_processor import SequenceOutput
@@ -52,7 +53,9 @@ def workers(llama_gqa_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def generate(url: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/internal/generate", json=body, headers=AUTH, timeout=60
+    ) as r:
         assert r.status_code == 200, r.read()
         return [json.loads(line) for line in r.iter_lines() if line]
 
@@ -63,7 +66,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_info_and_health(workers: dict) -> None:
-    info = httpx.get(f"{workers['prefill']}/info").json()
+    info = httpx.get(f"{workers['prefill']}/info", headers=AUTH).json()
     assert info["role"] == "prefill" and info["block_size"] == 16
     assert info["hash_algorithm"] == "blake2b-128-v1"
     assert info["kv_side_channel"].startswith("tcp://")
@@ -122,13 +125,15 @@ def test_colocated_and_disaggregated_match_offline(workers: dict, llama_gqa_path
     ],
 )
 def test_bad_requests_get_400_naming_the_field(workers: dict, body: dict, param: str) -> None:
-    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", json=body)
+    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", json=body, headers=AUTH)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
 
 
 def test_garbage_body_is_400_and_worker_keeps_serving(workers: dict) -> None:
-    r = httpx.post(f"{workers['colocated']}/v1/internal/generate", content=b"\x00\xffnot json")
+    r = httpx.post(
+        f"{workers['colocated']}/v1/internal/generate", content=b"\x00\xffnot json", headers=AUTH
+    )
     assert r.status_code == 400
     chunks = generate(
         workers["colocated"],
@@ -161,16 +166,35 @@ def _gauge(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_client_disconnect_aborts_and_frees_blocks(workers: dict) -> None:
+@pytest.fixture(scope="module")
+def long_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A colocated worker whose requests can outlast a client: 2k context and a model large enough
+    that 2000 tokens take seconds (the fixture model decodes 400 tokens in well under a second on
+    the CPU fast path, before the test can look)."""
+    tmp = tmp_path_factory.mktemp("long_worker")
+    path = write_random_checkpoint(
+        tmp / "model", "llama", hidden_size=512, intermediate_size=1024, num_layers=4,
+        num_heads=8, num_kv_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    proc, url = start("colocated", path, tmp, "--engine-option", "num_blocks=160")
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+def test_client_disconnect_aborts_and_frees_blocks(long_worker: str) -> None:
     from procs import wait_for
 
-    url = workers["colocated"]
+    url = long_worker
     body = {
         "request_id": "gone",
         "prompt_token_ids": prompt(3, 40),
-        "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
+        "sampling_params": {"temperature": 0.0, "max_tokens": 2000, "ignore_eos": True},
     }
-    with httpx.stream("POST", f"{url}/v1/internal/generate", json=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/internal/generate", json=body, headers=AUTH, timeout=60
+    ) as r:
         lines = r.iter_lines()
         next(lines)
         next(lines)

@@ -1,0 +1,449 @@
+// Tandem's CPU kernels (float32): paged attention read straight from the block table, the KV
+// write, RMSNorm with the residual add, SiLU-and-mul and the rotary embedding.
+//
+// Built at first use by tandem/kernels/cpu_build.py (g++ -O3 -fopenmp, cached per source, compiler
+// and CPU) together with cpu_forward.cpp (the fused decoder forward, which calls these), and called
+// through ctypes by tandem/kernels/cpu_ops.py, whose checked wrappers are the only callers. Each function is held by tests/kernels to its PyTorch reference in
+// tandem/kernels/refs.py. Plain C ABI, raw pointers and element strides: no torch headers, so a
+// build takes a second or two instead of the minute a torch extension needs.
+//
+// OpenMP: torch's own libgomp is already loaded when this library is, so both share one runtime
+// and one thread pool; callers pass torch.get_num_threads().
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "cpu_kernels.h"
+
+namespace {
+
+constexpr int kQueryTile = 16;  // query rows of one sequence handled together (extend)
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// exp(x) for x <= 0 (softmax numerators), within 2 ulp, written so a loop over it vectorizes
+// (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits; n is
+// rounded with the 1.5 * 2^23 trick, which needs no floor instruction).
+inline float exp_neg(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float n = shifted - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, 4);  // the low mantissa bits of `shifted` hold n
+  const int32_t e = (bits - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// One work item: query rows [r0, r1) of one sequence (absolute positions ctx + r) for the query
+// heads of KV heads [h0, h1). All KV heads at once when there are enough items to go round the
+// threads: a position's K (and V) row of every head is then one contiguous read.
+struct Item {
+  int seq, h0, h1, r0, r1;
+};
+
+// out[j] = q . k_j for the n keys at k + j * k_stride. With AVX2 and D a multiple of 8, eight
+// keys at a time, reduced together (one horizontal tree for eight dot products, not eight).
+template <int kD>
+inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_stride, int n,
+                       float* out) {
+  const int D = kD > 0 ? kD : head_dim;
+  int j = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; j + 8 <= n; j += 8) {
+      const float* kj = k + j * k_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+             a7 = a0;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + k_stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 2 * k_stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 3 * k_stride + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 4 * k_stride + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 5 * k_stride + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 6 * k_stride + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 7 * k_stride + d), a7);
+      }
+      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+      const __m256 lo = _mm256_permute2f128_ps(t0, t1, 0x20);
+      const __m256 hi = _mm256_permute2f128_ps(t0, t1, 0x31);
+      _mm256_storeu_ps(out + j, _mm256_add_ps(lo, hi));
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float* kr = k + j * k_stride;
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int d = 0; d < D; ++d) a += q[d] * kr[d];
+    out[j] = a;
+  }
+}
+
+// acc[:D] += sum_j p[j] * v_j for the n value rows at v + j * v_stride. With D known at compile
+// time the accumulator lives in registers for the whole block instead of memory.
+template <int kD>
+inline void accumulate_values(const float* p, const float* v, int64_t v_stride, int n,
+                              float* __restrict acc, int head_dim) {
+  if constexpr (kD > 0 && kD <= 128) {
+    float a[kD];
+    for (int d = 0; d < kD; ++d) a[d] = acc[d];
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const float* vr = v + j * v_stride;
+#pragma omp simd
+      for (int d = 0; d < kD; ++d) a[d] += pj * vr[d];
+    }
+    for (int d = 0; d < kD; ++d) acc[d] = a[d];
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[j];
+      const float* vr = v + j * v_stride;
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
+    }
+  }
+}
+
+struct AttnTile {
+  const float* q;
+  int64_t q_st, q_sh;
+  float scale;
+  int group, head_dim;
+  Item w;
+  int64_t pos_offset;  // row r sits at position r + pos_offset
+};
+
+// Online-softmax attention of one tile's M = rows x group query vectors over its keys, one cache
+// block at a time (no per-key division); leaves the unnormalised output in acc and the running
+// max / denominator in m_i / l_i. D is a template parameter for the common head dims so the dot
+// products and the value accumulation unroll fully.
+template <int kD>
+void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b,
+                   int64_t kc_s, int64_t kc_h, int64_t vc_b, int64_t vc_s, int64_t vc_h,
+                   const int32_t* bt, int bs,
+                   int window, float* qbuf, float* acc, float* m_i, float* l_i, float* sc,
+                   int64_t* pos) {
+  const int D = kD > 0 ? kD : t.head_dim;
+  const int Mh = (t.w.r1 - t.w.r0) * t.group;  // query vectors per KV head
+  const int nh = t.w.h1 - t.w.h0;
+  const int M = Mh * nh;
+  for (int h = 0; h < nh; ++h)
+    for (int r = t.w.r0; r < t.w.r1; ++r)
+      for (int g = 0; g < t.group; ++g) {
+        const int m = h * Mh + (r - t.w.r0) * t.group + g;
+        const float* src = t.q + r * t.q_st + ((t.w.h0 + h) * t.group + g) * t.q_sh;
+        for (int d = 0; d < D; ++d) qbuf[m * D + d] = src[d] * t.scale;
+        pos[m] = r + t.pos_offset;
+        m_i[m] = -INFINITY;
+        l_i[m] = 0.f;
+      }
+  std::fill(acc, acc + static_cast<size_t>(M) * D, 0.f);
+  const int64_t last = pos[Mh - 1], first_row = pos[0];  // rows in increasing position order
+  const int64_t first = window > 0 && first_row - window + 1 > 0 ? first_row - window + 1 : 0;
+  // Keys every row sees: [lo_all, hi_all]; outside it, per-row masks apply.
+  const int64_t hi_all = first_row;
+  const int64_t lo_all = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+  for (int64_t b = first / bs; b <= last / bs; ++b) {
+    const int64_t j0 = b * bs > first ? b * bs : first;
+    const int64_t j1 = (b + 1) * bs - 1 < last ? (b + 1) * bs - 1 : last;  // inclusive
+    const int n = static_cast<int>(j1 - j0 + 1);
+    const float* kb0 = kc + static_cast<int64_t>(bt[b]) * kc_b + (j0 - b * bs) * kc_s;
+    const float* vb0 = vc + static_cast<int64_t>(bt[b]) * vc_b + (j0 - b * bs) * vc_s;
+    if (b < last / bs) {
+      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for its
+      // K and V rows now, while this block is computed (the loop is memory-latency bound).
+      const float* kn = kc + static_cast<int64_t>(bt[b + 1]) * kc_b + t.w.h0 * kc_h;
+      const float* vn = vc + static_cast<int64_t>(bt[b + 1]) * vc_b + t.w.h0 * vc_h;
+      for (int j = 0; j < bs; j += 2) {
+        __builtin_prefetch(kn + j * kc_s);
+        __builtin_prefetch(vn + j * vc_s);
+      }
+    }
+    for (int h = 0; h < nh; ++h) {
+    const float* kb = kb0 + (t.w.h0 + h) * kc_h;
+    const float* vb = vb0 + (t.w.h0 + h) * vc_h;
+    float* sch = sc + static_cast<int64_t>(h) * Mh * bs;
+    const int mb = h * Mh;
+    for (int i = 0; i < Mh; ++i) score_keys<kD>(qbuf + (mb + i) * D, D, kb, kc_s, n, sch + i * bs);
+    if (j1 > hi_all || j0 < lo_all) {
+      for (int i = 0; i < Mh; ++i) {
+        const int64_t hi_m = pos[i], lo_m = window > 0 ? pos[i] - window + 1 : 0;
+        for (int j = 0; j < n; ++j)
+          if (j0 + j > hi_m || j0 + j < lo_m) sch[i * bs + j] = -INFINITY;
+      }
+    }
+    for (int i = 0; i < Mh; ++i) {
+      const int m = mb + i;
+      float* s = sch + i * bs;
+      float mx = m_i[m];
+#pragma omp simd reduction(max : mx)
+      for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+      if (mx == -INFINITY) {  // nothing visible in this block for this row
+        for (int j = 0; j < n; ++j) s[j] = 0.f;
+        continue;
+      }
+      const float alpha = exp_neg(m_i[m] - mx);
+      float l = 0.f;
+#pragma omp simd reduction(+ : l)
+      for (int j = 0; j < n; ++j) {
+        const float e = exp_neg(s[j] - mx);
+        s[j] = s[j] == -INFINITY ? 0.f : e;
+        l += s[j];
+      }
+      l_i[m] = l_i[m] * alpha + l;
+      m_i[m] = mx;
+      if (alpha != 1.f) {
+        float* a = acc + m * D;
+        for (int d = 0; d < D; ++d) a[d] *= alpha;
+      }
+    }
+    for (int i = 0; i < Mh; ++i)
+      accumulate_values<kD>(sch + i * bs, vb, vc_s, n, acc + (mb + i) * D, D);
+    }
+  }
+}
+
+void attend_tile(const AttnTile& t, const float* kc, const float* vc, int64_t kc_b, int64_t kc_s,
+                 int64_t kc_h, int64_t vc_b, int64_t vc_s, int64_t vc_h, const int32_t* bt, int bs,
+                 int window, float* qbuf,
+                 float* acc, float* m_i, float* l_i, float* sc, int64_t* pos) {
+  switch (t.head_dim) {
+#define TANDEM_HEAD_DIM(n)                                                                     \
+  case n:                                                                                      \
+    return attend_tile_d<n>(t, kc, vc, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, bt, bs, window, qbuf, \
+                            acc, m_i, l_i, sc, pos);
+    TANDEM_HEAD_DIM(32)
+    TANDEM_HEAD_DIM(64)
+    TANDEM_HEAD_DIM(80)
+    TANDEM_HEAD_DIM(96)
+    TANDEM_HEAD_DIM(128)
+#undef TANDEM_HEAD_DIM
+    default:
+      return attend_tile_d<0>(t, kc, vc, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, bt, bs, window,
+                              qbuf, acc, m_i, l_i, sc, pos);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tandem_cpu_abi_version() { return 3; }
+
+// 0, or 1 + the first sequence whose attention metadata would read outside the cache or out of
+// order (see tandem_paged_attention_f32).
+int tandem_check_attention_meta(const int32_t* block_tables, int64_t bt_stride, int max_blocks,
+                                int num_blocks, const int32_t* qsl, const int32_t* seq_lens,
+                                int num_seqs, int num_tokens, int block_size) {
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
+    const int64_t len = seq_lens[s];
+    if (lo < 0 || hi < lo || hi > num_tokens) return 1 + s;
+    if (len < 0 || (len > 0 && hi - lo > len) || len > static_cast<int64_t>(max_blocks) * block_size)
+      return 1 + s;
+    const int32_t* row = block_tables + s * bt_stride;
+    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b)
+      if (row[b] < 0 || row[b] >= num_blocks) return 1 + s;
+  }
+  return 0;
+}
+
+
+// Write k[t], v[t] ([T, H, D], strides in elements) to slot slot_mapping[t] of the caches
+// ([blocks, block_size, H, D]); slot < 0 is padding and is skipped. Returns 0, or 1 + the first
+// token whose slot is beyond num_slots (then nothing is written).
+int tandem_kv_cache_write_f32(const float* k, const float* v, int64_t k_st, int64_t k_sh,
+                               int64_t v_st, int64_t v_sh, float* k_cache, float* v_cache,
+                               int64_t kc_b, int64_t kc_s, int64_t kc_h, int64_t vc_b,
+                               int64_t vc_s, int64_t vc_h, const int64_t* slots,
+                               int64_t num_slots, int num_tokens, int num_heads, int head_dim,
+                               int block_size, int num_threads) {
+  for (int t = 0; t < num_tokens; ++t)
+    if (slots[t] >= num_slots) return 1 + t;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 64) schedule(static)
+  for (int t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t b = slot / block_size, o = slot % block_size;
+    for (int h = 0; h < num_heads; ++h) {
+      std::memcpy(k_cache + b * kc_b + o * kc_s + h * kc_h, k + t * k_st + h * k_sh,
+                  sizeof(float) * head_dim);
+      std::memcpy(v_cache + b * vc_b + o * vc_s + h * vc_h, v + t * v_st + h * v_sh,
+                  sizeof(float) * head_dim);
+    }
+  }
+  return 0;
+}
+
+// Causal attention over the paged cache for packed query rows.
+//   q, out: [T, Hq, D]; sequence i owns rows qsl[i]..qsl[i+1] (qsl == nullptr: row i is
+//   sequence i's only query, i.e. decode), at positions seq_lens[i] - qlen .. seq_lens[i] - 1.
+//   Row at position p attends to keys j <= p, and with window > 0 only to p - j < window.
+//   Rows of no sequence (t >= qsl[num_seqs]) and sequences of length 0 come back zero.
+// Online softmax in fp32, exp via expf; GQA reads each KV head once for its `group` query heads.
+// Returns 0, or (nothing read or written) 1 + the first sequence whose metadata is inconsistent:
+// query rows not increasing or beyond num_tokens, more rows than seq_len, seq_len beyond its
+// block-table row (max_blocks entries), or a block id outside [0, num_blocks).
+int tandem_paged_attention_f32(const float* q, int64_t q_st, int64_t q_sh, const float* k_cache,
+                                const float* v_cache, int64_t kc_b, int64_t kc_s, int64_t kc_h,
+                                int64_t vc_b, int64_t vc_s, int64_t vc_h,
+                                const int32_t* block_tables, int64_t bt_stride, int max_blocks,
+                                int num_blocks, const int32_t* qsl, const int32_t* seq_lens,
+                                int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, int window, float* out,
+                                int64_t o_st, int64_t o_sh, int num_threads) {
+  const int bad = tandem_check_attention_meta(block_tables, bt_stride, max_blocks, num_blocks,
+                                              qsl, seq_lens, num_seqs, num_tokens, block_size);
+  if (bad) return bad;
+  const int group = num_heads / num_kv_heads;
+  const int D = head_dim;
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(num_seqs) * num_kv_heads);
+  int covered = 0, tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
+    tiles += (hi - lo + kQueryTile - 1) / kQueryTile;
+  }
+  const int heads_per_item = tiles >= 4 * num_threads ? num_kv_heads : 1;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lo = qsl ? qsl[s] : s, hi = qsl ? qsl[s + 1] : s + 1;
+    covered = hi > covered ? hi : covered;
+    if (seq_lens[s] <= 0) {
+      for (int t = lo; t < hi; ++t)
+        for (int h = 0; h < num_heads; ++h) std::memset(out + t * o_st + h * o_sh, 0, 4 * D);
+      continue;
+    }
+    for (int r = lo; r < hi; r += kQueryTile)
+      for (int h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({s, h, h + heads_per_item, r, r + kQueryTile < hi ? r + kQueryTile : hi});
+  }
+  for (int t = covered; t < num_tokens; ++t)
+    for (int h = 0; h < num_heads; ++h) std::memset(out + t * o_st + h * o_sh, 0, 4 * D);
+
+  const int n_items = static_cast<int>(items.size());
+#pragma omp parallel num_threads(num_threads) if (n_items > 1)
+  {
+    const int max_m = kQueryTile * group * heads_per_item;
+    std::vector<float> qbuf(static_cast<size_t>(max_m) * D), acc(static_cast<size_t>(max_m) * D);
+    std::vector<float> m_i(max_m), l_i(max_m), sc(static_cast<size_t>(max_m) * block_size);
+    std::vector<int64_t> pos(max_m);
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_items; ++it) {
+      const Item w = items[it];
+      const int lo = qsl ? qsl[w.seq] : w.seq, hi = qsl ? qsl[w.seq + 1] : w.seq + 1;
+      const int64_t ctx = seq_lens[w.seq] - (hi - lo);
+      AttnTile tile{q, q_st, q_sh, scale, group, D, w, ctx - lo};
+      attend_tile(tile, k_cache, v_cache, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h,
+                  block_tables + w.seq * bt_stride, block_size, window, qbuf.data(), acc.data(),
+                  m_i.data(), l_i.data(), sc.data(), pos.data());
+      const int mh = (w.r1 - w.r0) * group;
+      for (int h = w.h0; h < w.h1; ++h)
+        for (int r = w.r0; r < w.r1; ++r)
+          for (int g = 0; g < group; ++g) {
+            const int m = (h - w.h0) * mh + (r - w.r0) * group + g;
+            float* dst = out + r * o_st + (h * group + g) * o_sh;
+            const float inv = l_i[m] > 0.f ? 1.f / l_i[m] : 0.f;
+            for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
+          }
+    }
+  }
+  return 0;
+}
+
+// RMSNorm of x [T, H] (row stride x_st), or of x + residual, times weight [H]. With a residual
+// the sum is written to residual_out (may alias residual). out may not alias x.
+void tandem_rms_norm_f32(const float* x, int64_t x_st, const float* residual, int64_t r_st,
+                         const float* weight, float eps, float* out, int64_t o_st,
+                         float* residual_out, int64_t ro_st, int num_tokens, int hidden,
+                         int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 16) schedule(static)
+  for (int t = 0; t < num_tokens; ++t) {
+    const float* xr = x + t * x_st;
+    float* o = out + t * o_st;
+    const float* src = xr;
+    if (residual) {
+      const float* rr = residual + t * r_st;
+      float* ro = residual_out + t * ro_st;
+      for (int i = 0; i < hidden; ++i) ro[i] = xr[i] + rr[i];
+      src = ro;
+    }
+    const float ss = dot(src, src, hidden);
+    const float rstd = 1.f / std::sqrt(ss / hidden + eps);
+#pragma omp simd
+    for (int i = 0; i < hidden; ++i) o[i] = src[i] * rstd * weight[i];
+  }
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (row strides in elements).
+void tandem_silu_and_mul_f32(const float* x, int64_t x_st, float* out, int64_t o_st,
+                             int num_tokens, int inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 4) schedule(static)
+  for (int t = 0; t < num_tokens; ++t) {
+    const float* a = x + t * x_st;
+    const float* b = a + inter;
+    float* o = out + t * o_st;
+    for (int i = 0; i < inter; ++i) o[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
+  }
+}
+
+// Neox-style rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (strides in elements)
+// over the first rot_dim dims, cos_sin [max_pos, rot_dim] (cos then sin), positions [T].
+// Returns 0, or 1 + the first token whose position is outside [0, max_pos) (nothing rotated).
+int tandem_rotary_f32(const int64_t* positions, float* q, int64_t q_st, int64_t q_sh, float* k,
+                      int64_t k_st, int64_t k_sh, const float* cos_sin, int64_t max_pos,
+                      int rot_dim, int num_tokens, int num_q_heads, int num_k_heads,
+                      int num_threads) {
+  for (int t = 0; t < num_tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= max_pos) return 1 + t;
+  const int half = rot_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 16) schedule(static)
+  for (int t = 0; t < num_tokens; ++t) {
+    const float* cs = cos_sin + positions[t] * rot_dim;
+    const float* c = cs;
+    const float* s = cs + half;
+    for (int which = 0; which < 2; ++which) {
+      float* base = which == 0 ? q + t * q_st : k + t * k_st;
+      const int heads = which == 0 ? num_q_heads : num_k_heads;
+      const int64_t sh = which == 0 ? q_sh : k_sh;
+      for (int h = 0; h < heads; ++h) {
+        float* x1 = base + h * sh;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
