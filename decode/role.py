@@ -52,6 +52,7 @@ class DecodeRole:
             data_port=ctx.kv_data_port,
             fingerprint=ctx.fingerprint,
             identity=ctx.identity,
+            simulated=parts.simulated_transfer,
         )
         return DecodeHooks(self.connector, self.load_failure_policy)
 

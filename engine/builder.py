@@ -24,7 +24,9 @@ from tandem.engine.model_path import resolve_model_path
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.llama import ModelArchConfig
 from tandem.engine.models.loader import load_model, parse_dtype, read_hf_config
+from tandem.engine.runner import StepRunner
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.sim.cost_model import TransferCost
 from tandem.engine.tier_copier import TierCopier
 from tandem.kernels import cpu_ops
 
@@ -46,9 +48,11 @@ class EngineParts:
     pool: BlockPool
     kv: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepRunner
     # The host KV tier's copier (kv_offload_bytes > 0); the tier itself is ``kv.tier``.
     copier: TierCopier | None = None
+    # Simulated workers (``--simulate``): KV transfers wait this profiled time, move no bytes.
+    simulated_transfer: TransferCost | None = None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -117,7 +121,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"max_model_len={max_model_len}; raise num_blocks or lower max_model_len"
         )
     layout = one.with_num_blocks(num_blocks)
-    pool = BlockPool(num_blocks, enable_caching=cache.enable_prefix_caching)
     num_host = cache.kv_offload_bytes // one.block_bytes
     if cache.kv_offload_bytes and num_host < 1:
         raise ValueError(
@@ -125,10 +128,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"({one.block_bytes} bytes); use 0 to turn the host tier off"
         )
     tier = KVTier(num_host, cache.enable_prefix_caching) if num_host else None
-    kv = KVCacheManager(pool, bs, cache.enable_prefix_caching, tier)
-    if sched_cfg.max_model_len != max_model_len:
-        sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
-    check_unchunked_budget(sched_cfg)
+    pool, kv, scheduler = build_scheduler(config, layout, max_model_len, tier)
+    sched_cfg = scheduler.config
     runner = ModelRunner(model, backend, layout, device)
     copier = TierCopier(runner.kv_cache, num_host) if num_host else None
     if device.type == "cuda" and backend_name == "triton" and not config.enforce_eager:
@@ -151,10 +152,25 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         layout=layout,
         pool=pool,
         kv=kv,
-        scheduler=Scheduler(sched_cfg, kv),
+        scheduler=scheduler,
         runner=runner,
         copier=copier,
     )
+
+
+def build_scheduler(
+    config: EngineConfig, layout: KVLayout, max_model_len: int, tier: KVTier | None = None
+) -> tuple[BlockPool, KVCacheManager, Scheduler]:
+    """The block pool, KV cache manager (with the host tier, if any) and scheduler over
+    ``layout.num_blocks`` blocks (shared by the real and the simulated builder)."""
+    cache = config.cache
+    pool = BlockPool(layout.num_blocks, enable_caching=cache.enable_prefix_caching)
+    kv = KVCacheManager(pool, layout.block_size, cache.enable_prefix_caching, tier)
+    sched_cfg = config.scheduler
+    if sched_cfg.max_model_len != max_model_len:
+        sched_cfg = replace(sched_cfg, max_model_len=max_model_len)
+    check_unchunked_budget(sched_cfg)
+    return pool, kv, Scheduler(sched_cfg, kv)
 
 
 def check_unchunked_budget(cfg: SchedulerConfig) -> None:

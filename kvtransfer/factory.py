@@ -10,6 +10,7 @@ import zmq.asyncio
 from tandem.engine.cluster_token import ClusterToken
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.role import Role
+from tandem.engine.sim.cost_model import TransferCost
 from tandem.kvtransfer.auth import FrameAuth
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.metrics import KVTransferMetrics
@@ -37,6 +38,7 @@ def create_connector(
     data_port: int = 0,
     fingerprint: str = "unset",
     identity: str = "unset",
+    simulated: TransferCost | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
@@ -54,6 +56,9 @@ def create_connector(
     ``side_channel_port`` and ``data_port`` (0: any free port) fix the prefill's listeners so a
     NetworkPolicy can name them. ``fingerprint`` (engine/fingerprint.py; ``identity`` its readable
     form) is compared at every handshake: peers that differ never exchange KV.
+    ``simulated`` (simulated workers): the real side channel (sealed as above) over the ``sim``
+    data path, each pull waiting the profiled time of ``transport`` for its bytes; ``kv_cache``
+    may be a meta tensor.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -64,7 +69,13 @@ def create_connector(
     auth = FrameAuth(cluster_token)
     wants_send = role_enum in (Role.PREFILL, Role.COLOCATED)
     wants_recv = role_enum in (Role.DECODE, Role.COLOCATED)
-    if transport == "tcp":
+    if simulated is not None:
+        from tandem.kvtransfer.sim_transport import SimRecvTransport, SimSendTransport
+
+        simulated.seconds(transport, 0)  # ValueError now if the profile lacks this transport
+        send = SimSendTransport(lambda n: simulated.seconds(transport, n)) if wants_send else None
+        recv = SimRecvTransport() if wants_recv else None
+    elif transport == "tcp":
         send = TcpSendTransport(zctx, auth) if wants_send else None
         recv = TcpRecvTransport(zctx, auth) if wants_recv else None
     elif transport == "ucx":

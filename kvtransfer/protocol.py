@@ -30,7 +30,8 @@ MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + MAC_BYTES  # a sealed frame on the socket
 MAX_RENEW_IDS = 2048  # ids of up to 256 characters and their proofs stay under the frame limit
 MAX_TEXT_LEN = 1024
 MAX_XFER_ID = (1 << 43) - 1  # UCX tags are xfer_id << 20 | segment, kept below bit 63
-TRANSPORTS = ("ucx", "tcp")
+# "sim": simulated workers (sim_transport.py), which must never pair with real ones.
+TRANSPORTS = ("ucx", "tcp", "sim")
 
 
 class MsgType(StrEnum):

@@ -56,6 +56,8 @@ class Reason(IntEnum):
     AT_MIN = 15
     SURVIVORS_WOULD_OVERLOAD = 16
     SCALE_DOWN_SLACK = 17
+    # The planner's count for the observed rate is above the reactive decision (planning.py).
+    PLANNER_FLOOR = 18
 
     @property
     def camel(self) -> str:
@@ -143,6 +145,7 @@ class Decision:
     signal: Signal | None
     signals: PoolSignals | None
     memory: PoolMemory
+    note: str | None = None  # the planner's floor, when it was consulted
 
     @property
     def changed(self) -> bool:
@@ -154,6 +157,8 @@ class Decision:
             what += f"; load ratio {self.ratio:.2f} from {self.signal.name.lower()}"
         if self.signals is not None and self.signals.latency_p90 is not None:
             what += f"; p90 {self.signals.latency_p90:.4f}s vs target {policy.latency_target}s"
+        if self.note:
+            what += f"; {self.note}"
         return what
 
     def to_status(self, policy: PoolPolicy) -> dict[str, Any]:

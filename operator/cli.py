@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="timeout of one /metrics scrape in the direct metrics source (default 3)",
     )
     parser.add_argument(
+        "--plan-timeout",
+        type=float,
+        default=120.0,
+        help="seconds one `tandem plan` subprocess of the planner may take (default 120)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=8081,
@@ -70,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Parse `argv` (without the program and subcommand names) and run until signalled."""
     args = build_parser().parse_args(argv)
-    if args.resync_seconds <= 0 or args.scrape_timeout_seconds <= 0:
-        build_parser().error("--resync-seconds and --scrape-timeout-seconds must be > 0")
+    if args.resync_seconds <= 0 or args.scrape_timeout_seconds <= 0 or args.plan_timeout <= 0:
+        build_parser().error(
+            "--resync-seconds, --scrape-timeout-seconds and --plan-timeout must be > 0"
+        )
     if not 0 <= args.metrics_port <= 65535:
         build_parser().error("--metrics-port must be in 0..65535")
     if not args.namespace and not args.all_namespaces:
@@ -85,6 +93,7 @@ def main(argv: list[str]) -> int:
         scrape_timeout_seconds=args.scrape_timeout_seconds,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port or None,
+        plan_timeout_seconds=args.plan_timeout,
     )
     registry = build_registry(cfg)
     asyncio.run(

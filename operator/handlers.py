@@ -42,6 +42,13 @@ from tandem.operator.naming import (
     router_url,
 )
 from tandem.operator.opmetrics import OperatorMetrics
+from tandem.operator.planner_client import PlannerClient
+from tandem.operator.planner_steps import (
+    planned_decisions,
+    planned_start,
+    planner_event,
+    start_replicas,
+)
 from tandem.operator.reconcile import (
     Action,
     ChildConflictError,
@@ -79,6 +86,7 @@ class OperatorConfig:
     scrape_timeout_seconds: float = 3.0
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None: no /metrics endpoint
+    plan_timeout_seconds: float = 120.0  # one `tandem plan` subprocess (planner.py)
 
 
 def _now_text() -> str:
@@ -121,11 +129,13 @@ class Controller:
         http: aiohttp.ClientSession,
         cfg: OperatorConfig,
         metrics: OperatorMetrics,
+        planner: PlannerClient | None = None,
     ) -> None:
         self.client = client
         self.http = http
         self.cfg = cfg
         self.metrics = metrics
+        self.planner = planner or PlannerClient(timeout_seconds=cfg.plan_timeout_seconds)
         # Set at operator shutdown: passes still in flight stop quietly instead of failing
         # (a failure would be stored as a delayed retry on the object).
         self.closing = False
@@ -180,6 +190,14 @@ class Controller:
             spec = parse_spec(body.get("spec") or {})
         except SpecError as exc:
             problem = Problem(DegradedReason.INVALID_SPEC, str(exc))
+        if spec is not None and spec.autoscaling.planner and not planned_start(status):
+            step = await start_replicas(
+                self.planner, self.client, owner.namespace, owner.name, spec
+            )
+            planner_event(body, status, step, "PlannedReplicas")
+            await self.patch_status(body, {"autoscaling": {"planner": step.status}})
+            status = {**status, "autoscaling": {**(status.get("autoscaling") or {}),
+                                                "planner": step.status}}  # fmt: skip
         if spec is not None:
             try:
                 if await ensure_cluster_token(
@@ -295,7 +313,21 @@ class Controller:
             )
         if not decisions:
             return
+        planner_status = None
+        if spec.autoscaling.planner:
+            running = Replicas(
+                prefill=pools["prefill"].replicas if pools.get("prefill") else 0,
+                decode=pools["decode"].replicas if pools.get("decode") else 0,
+            )
+            decisions, step = await planned_decisions(
+                self.planner, self.client, owner.namespace, owner.name, spec, signals,
+                decisions, pols, running, status, now,
+            )  # fmt: skip
+            planner_event(body, status, step, None)
+            planner_status = step.status
         patch = {"autoscaling": autoscaling_status(decisions, pols, status, now)}
+        if planner_status is not None:
+            patch["autoscaling"]["planner"] = planner_status
         await self.patch_status(body, patch)
         for pool, decision in decisions.items():
             self.metrics.record_decision(owner.namespace, owner.name, decision)
@@ -358,6 +390,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             controller.closing = True
             await controller.client.close()
             await controller.http.close()
+            controller.planner.close()
         runner = shared.pop("metrics_runner", None)
         if runner is not None:
             await runner.cleanup()

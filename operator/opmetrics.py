@@ -27,6 +27,7 @@ SCALING_REASONS = (
     Reason.SCALE_UP_KV_CACHE,
     Reason.SCALE_UP_RUNNING,
     Reason.SCALE_DOWN_SLACK,
+    Reason.PLANNER_FLOOR,
 )
 
 

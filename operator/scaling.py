@@ -74,14 +74,21 @@ def memory_from_status(status: Mapping[str, Any], pool: Pool) -> PoolMemory:
 
 
 def effective_replicas(spec: TandemServiceSpec, status: Mapping[str, Any]) -> Replicas:
-    """Spec replicas, or with autoscaling the autoscaler's last desired count within bounds."""
+    """Spec replicas, or with autoscaling the autoscaler's last desired count within bounds
+    (before its first decision: the planner's starting counts, when the planner is on)."""
     if not spec.autoscaling.enabled:
         return Replicas(prefill=spec.prefill.replicas, decode=spec.decode.replicas)
     counts = {}
+    planner = (status.get("autoscaling") or {}).get("planner") or {}
+    start = planner.get("startReplicas") if isinstance(planner, Mapping) else None
     for pool, bounds, fallback in (
         (Pool.PREFILL, spec.autoscaling.prefill, spec.prefill.replicas),
         (Pool.DECODE, spec.autoscaling.decode, spec.decode.replicas),
     ):
+        if spec.autoscaling.planner and isinstance(start, Mapping):
+            planned = start.get(pool.label)
+            if not isinstance(planned, bool) and isinstance(planned, int):
+                fallback = planned  # the plan for the declared rate, until the first decision
         desired = _pool_status(status, pool).get("desiredReplicas")
         if isinstance(desired, bool) or not isinstance(desired, int):
             desired = fallback

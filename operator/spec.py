@@ -114,8 +114,32 @@ class MetricsSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileRef:
+    """The ConfigMap key holding a `tandem profile` JSON."""
+
+    config_map: str
+    key: str = "profile.json"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """The traffic the service is planned for (`tandem plan`'s inputs)."""
+
+    input_tokens: int
+    output_tokens: int
+    requests_per_second: float
+    prefix_share: float = 0.0
+    profile: ProfileRef | None = None  # None: the ConfigMap `<name>-profile`, key profile.json
+
+    def profile_ref(self, service: str) -> ProfileRef:
+        return self.profile or ProfileRef(f"{service}-profile")
+
+
+@dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
     enabled: bool = False
+    # Floors from `tandem plan` for the observed rate, under the reactive rules (needs workload).
+    planner: bool = False
     prefill: Bounds = field(default_factory=Bounds)
     decode: Bounds = field(default_factory=Bounds)
     ttft_seconds: float = 1.0
@@ -141,6 +165,7 @@ class TandemServiceSpec:
     decode: PoolSpec = field(default_factory=lambda: PoolSpec(port=8200))
     kv_transport: str = "ucx"
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    workload: WorkloadSpec | None = None
 
 
 def _section(raw: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -273,6 +298,9 @@ def _autoscaling(raw: Mapping[str, Any], where: str) -> AutoscalingSpec:
     enabled = raw.get("enabled", False)
     if not isinstance(enabled, bool):
         raise SpecError(f"{where}.enabled must be a boolean")
+    planner = raw.get("planner", False)
+    if not isinstance(planner, bool):
+        raise SpecError(f"{where}.planner must be a boolean")
     tolerance = raw.get("tolerance", defaults.tolerance)
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
         raise SpecError(f"{where}.tolerance must be a number")
@@ -283,6 +311,7 @@ def _autoscaling(raw: Mapping[str, Any], where: str) -> AutoscalingSpec:
         raise SpecError(f"{where}.kvCacheUsage must be <= 1, got {kv}")
     return AutoscalingSpec(
         enabled=enabled,
+        planner=planner,
         prefill=_bounds(_section(raw, "prefill", where), f"{where}.prefill"),
         decode=_bounds(_section(raw, "decode", where), f"{where}.decode"),
         ttft_seconds=_float(raw, "ttftSeconds", defaults.ttft_seconds, where),
@@ -304,6 +333,33 @@ def _autoscaling(raw: Mapping[str, Any], where: str) -> AutoscalingSpec:
         ),
         warmup_seconds=_int(raw, "warmupSeconds", defaults.warmup_seconds, where),
         metrics=_metrics(_section(raw, "metrics", where), f"{where}.metrics"),
+    )
+
+
+def _workload(raw: Mapping[str, Any], where: str) -> WorkloadSpec | None:
+    if not raw:
+        return None
+    for key in ("inputTokens", "outputTokens", "requestsPerSecond"):
+        if key not in raw:
+            raise SpecError(f"{where}.{key} is required when {where} is set")
+    share = raw.get("prefixShare", 0.0)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
+        raise SpecError(f"{where}.prefixShare must be a number in [0, 1), got {share!r}")
+    profile_raw = raw.get("profile")
+    profile = None
+    if profile_raw is not None:
+        if not isinstance(profile_raw, Mapping) or not profile_raw.get("configMap"):
+            raise SpecError(f"{where}.profile.configMap is required when {where}.profile is set")
+        profile = ProfileRef(
+            config_map=_str(profile_raw, "configMap", "", f"{where}.profile"),
+            key=_str(profile_raw, "key", "profile.json", f"{where}.profile"),
+        )
+    return WorkloadSpec(
+        input_tokens=_int(raw, "inputTokens", 1, where, minimum=1),
+        output_tokens=_int(raw, "outputTokens", 1, where, minimum=1),
+        requests_per_second=_float(raw, "requestsPerSecond", 1.0, where),
+        prefix_share=float(share),
+        profile=profile,
     )
 
 
@@ -375,6 +431,12 @@ def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
         raise SpecError("spec.decode.replicas must be >= 1: decode workers serve every request")
     if autoscaling.enabled and autoscaling.decode.min_replicas == 0:
         raise SpecError("spec.autoscaling.decode.minReplicas must be >= 1")
+    workload = _workload(_section(raw, "workload", "spec"), "spec.workload")
+    if autoscaling.planner and (workload is None or not autoscaling.enabled):
+        raise SpecError(
+            "spec.autoscaling.planner needs spec.autoscaling.enabled and spec.workload "
+            "(inputTokens, outputTokens, requestsPerSecond)"
+        )
     return TandemServiceSpec(
         model=model,
         image=_str(raw, "image", DEFAULT_IMAGE, "spec"),
@@ -384,4 +446,5 @@ def parse_spec(raw: Mapping[str, Any]) -> TandemServiceSpec:
         decode=decode,
         kv_transport=_str(kv_raw, "transport", "ucx", "spec.kvTransfer", TRANSPORTS),
         autoscaling=autoscaling,
+        workload=workload,
     )

@@ -49,6 +49,7 @@ class PrefillRole:
             data_port=ctx.kv_data_port,
             fingerprint=ctx.fingerprint,
             identity=ctx.identity,
+            simulated=parts.simulated_transfer,
         )
         return PrefillHooks(self.connector)
 

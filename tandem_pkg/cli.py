@@ -15,6 +15,8 @@ commands:
   drain      ask the worker on this host to drain (the pods' preStop hook)
   operator   the Kubernetes operator
   bench      guidellm against a running endpoint (model and tokenizer filled in)
+  profile    measure step and KV transfer times on this machine (for plan and --simulate)
+  plan       pick the prefill:decode split for a workload and latency targets
 
 `tandem <command> --help` for its options."""
 
@@ -53,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "profile":
+        from tandem.profile import main as profile_main
+
+        return profile_main(rest)
+    if cmd == "plan":
+        from tandem.planner.cli import main as plan_main
+
+        return plan_main(rest)
     if cmd == "operator":
         from tandem.operator.cli import main as operator_main
 

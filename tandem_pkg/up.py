@@ -21,7 +21,6 @@ default).
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -40,12 +39,14 @@ from tandem.up_config import (  # re-exported: the command lines are part of `ta
     curl_line,
     free_port,
     parse_config,
+    port_is_free,
     router_ports,
+    worker_port,
 )
 
 __all__ = [
     "ProcessSpec", "UpConfig", "build_parser", "build_specs", "curl_line", "free_port", "launch",
-    "main", "parse_config", "run",
+    "main", "parse_config", "run", "worker_port",
 ]  # fmt: skip
 
 
@@ -115,27 +116,16 @@ def run(
         supervisor.stop_all()
 
 
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        # As uvicorn binds: a port in TIME_WAIT from a previous run is free to reuse.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)
     for port in router_ports(cfg):
-        if not _port_is_free(cfg.host, port):
+        if not port_is_free(cfg.host, port):
             print(f"tandem up: port {port} on {cfg.host} is in use; pick another with --port",
                   file=sys.stderr)  # fmt: skip
             return 1
     internal = [cfg.internal_port + i for i in range(cfg.routers)] if cfg.internal_port else []
     for port in internal:
-        if port in router_ports(cfg) or not _port_is_free(cfg.host, port):
+        if port in router_ports(cfg) or not port_is_free(cfg.host, port):
             print(f"tandem up: internal port {port} is in use; pick another with "
                   "--internal-port", file=sys.stderr)  # fmt: skip
             return 1
@@ -149,9 +139,11 @@ def main(argv: list[str]) -> int:
     token = given.current if given is not None else generate_token()
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    specs = build_specs(cfg, iter(free_port, None), token=token)
+    specs = build_specs(cfg, iter(worker_port, None), token=token)
     mode = (f"{cfg.prefill} prefill + {cfg.decode} decode" if cfg.prefill
             else f"{cfg.decode} colocated")  # fmt: skip
+    if cfg.simulate is not None:
+        mode += f" simulated (profile {cfg.simulate})"
     print(f"tandem up: starting router and {mode} worker(s) for model {cfg.model!r}; "
           f"logs in {log_dir}", flush=True)  # fmt: skip
 

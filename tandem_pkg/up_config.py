@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shlex
 import socket
 import sys
@@ -41,6 +42,7 @@ class UpConfig:
     cluster_token_file: str | None = None
     routers: int = 1  # router processes on consecutive ports, every worker registered with all
     notes: tuple[str, ...] = ()  # what parse_config chose for the user (printed at start)
+    simulate: str | None = None  # a profile: every worker simulated (tandem.engine.sim)
     # Router admission, deadline and migration flags; None: the router's default (not passed).
     max_inflight_requests: int | None = None
     max_queued_requests: int | None = None
@@ -62,6 +64,39 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        # As uvicorn binds: a port in TIME_WAIT from a previous run is free to reuse.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def worker_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A free port below the kernel's ephemeral range. A probed port is bound only when the
+    worker starts; meanwhile every starting child binds ephemeral ports of its own (KV events,
+    side channel, data sockets), and with dozens of workers one of those would take a port
+    handed out from that same range (seen with 32 simulated workers)."""
+    rng = rng or random.Random()
+    lo, _ = _ephemeral_range()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(10001, lo))
+        if port_is_free(host, port):
+            return port
+    return free_port(host)
 
 
 def router_ports(cfg: UpConfig) -> list[int]:
@@ -122,6 +157,8 @@ def build_specs(
         )  # fmt: skip
         for opt in cfg.engine_options:
             argv += ("--engine-option", opt)
+        if cfg.simulate is not None:
+            argv += ("--simulate", cfg.simulate)
         specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
     return specs
 
@@ -144,7 +181,9 @@ def curl_line(cfg: UpConfig) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem up", description="Run router and workers locally")
-    p.add_argument("--model", default="demo", help="'demo' (default) or a local HF directory")
+    p.add_argument("--model", default=None,
+                   help="'demo' (default, or the profile's model with --simulate) or a local HF "
+                   "directory")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers; 0 = colocated")
@@ -178,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-token-file", default=None, metavar="PATH",
                    help=f"the cluster token (else ${CLUSTER_TOKEN_ENV}, else a random one per "
                    "run); children get it in their environment")  # fmt: skip
+    p.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                   help="simulated workers from a `tandem profile`: no weights, the profiled "
+                   "step and KV transfer times, everything else real")  # fmt: skip
     from tandem.router.cli import add_admission_args
 
     add_admission_args(p)  # passed to the router only when given
@@ -204,20 +246,32 @@ def parse_config(argv: list[str]) -> UpConfig:
     problem = admission_errors(checked)
     if problem is not None:
         raise SystemExit(f"tandem up: {problem}")
-    if a.model != "demo" and not Path(a.model).is_dir():
-        raise SystemExit(f"tandem up: model directory {a.model!r} does not exist")
+    simulate = None
+    if a.simulate is not None:
+        from tandem.engine.sim.profile import load_profile
+
+        try:
+            profile = load_profile(a.simulate)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"tandem up: --simulate {a.simulate}: {exc}") from None
+        simulate = str(Path(a.simulate).resolve())
+        if a.model is None:
+            a.model = profile.model.name
+    model = a.model or "demo"
+    if model != "demo" and not Path(model).is_dir():
+        raise SystemExit(f"tandem up: model directory {model!r} does not exist")
     if not 1 <= a.routers <= 16:
         raise SystemExit("tandem up: --routers must be in 1..16")
     if a.kv_transport is not None:
         require(a.kv_transport, "tandem up")
     transport, note = pick(a.kv_transport)
     return UpConfig(
-        model=a.model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
+        model=model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         kv_transport=transport, api_key=a.api_key, routers=a.routers,
         notes=(note,) if note else (),
         local_prefill_threshold=a.local_prefill_threshold,
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,
         log_dir=a.log_dir, internal_port=a.internal_port,
-        cluster_token_file=a.cluster_token_file, **given,
+        cluster_token_file=a.cluster_token_file, simulate=simulate, **given,
     )  # fmt: skip

@@ -36,6 +36,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.internal_auth import ClusterAuth
 from tandem.engine.outputs import EngineOutput
 from tandem.engine.request_limits import MAX_CONTROL_BYTES, MAX_INTERNAL_REQUEST_BYTES
+from tandem.engine.sim.builder import build_simulated_parts
 from tandem.engine.worker.protocol import (
     BadRequest,
     QueueFull,
@@ -104,7 +105,11 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             loop.call_soon_threadsafe(lambda: loop.create_task(_engine_died(app)))
 
         def build() -> WorkerService:
-            return WorkerService(config, role, build_engine_parts(config.engine), on_fatal)
+            if config.simulate is not None:
+                parts = build_simulated_parts(config.engine, config.simulate)
+            else:
+                parts = build_engine_parts(config.engine)
+            return WorkerService(config, role, parts, on_fatal)
 
         service = await asyncio.to_thread(build)
         service.start()

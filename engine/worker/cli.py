@@ -20,7 +20,7 @@ from tandem.engine.worker.role import WorkerRole
 _FIRST_CLASS = frozenset({"model", "dtype", "device", "served_model_name"})
 
 
-def _engine_option(text: str) -> tuple[str, Any]:
+def engine_option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--engine-option takes key=value, got {text!r}")
@@ -77,7 +77,7 @@ def parser(role: Role) -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-option",
         action="append",
-        type=_engine_option,
+        type=engine_option,
         default=[],
         metavar="KEY=VALUE",
         help="any engine option, e.g. max_num_seqs=64 (repeatable)",
@@ -87,6 +87,13 @@ def parser(role: Role) -> argparse.ArgumentParser:
         help="refuse generate with 503 beyond this many waiting requests "
         "(default: 4 x max_num_seqs)",
     )  # fmt: skip
+    p.add_argument(
+        "--simulate",
+        default=None,
+        metavar="PROFILE.json",
+        help="a simulated worker: the real scheduler, cache and protocols, the profiled step and "
+        "KV transfer times from `tandem profile`, no weights (--model gives the tokenizer)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -127,6 +134,14 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"invalid engine option: {exc}") from None
+    profile = None
+    if args.simulate is not None:
+        from tandem.engine.sim.profile import load_profile
+
+        try:
+            profile = load_profile(args.simulate)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--simulate {args.simulate}: {exc}") from None
     config = WorkerConfig(
         engine=engine_config,
         host=args.host,
@@ -138,6 +153,7 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         kv_events_port=args.kv_events_port,
         kv_side_channel_port=args.kv_side_channel_port,
         kv_data_port=args.kv_data_port,
+        simulate=profile,
     )
     app = create_app(config, role)
     server = uvicorn.Server(

@@ -20,6 +20,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.hashing import HASH_ALGORITHM
 from tandem.engine.request import Request
 from tandem.engine.resume import continue_sequence
+from tandem.engine.sim.profile import Profile
 from tandem.engine.worker.engine_thread import EngineThread
 from tandem.engine.worker.kv_publisher import KVEventPublisher
 from tandem.engine.worker.metrics import worker_registry
@@ -45,6 +46,8 @@ class WorkerConfig:
     kv_data_port: int = 0
     # Requests waiting for the engine beyond which generate answers 503 (None: 4 x max_num_seqs).
     max_waiting_requests: int | None = None
+    # ``--simulate``: no weights; the profiled step and KV transfer times (tandem.engine.sim).
+    simulate: Profile | None = None
 
 
 WAITING_PER_SEQ = 4  # default waiting-queue bound, per sequence slot of the batch
@@ -122,6 +125,7 @@ class WorkerService:
             "max_num_seqs": self.engine.config.scheduler.max_num_seqs,
             "kv_events_endpoint": self.events_endpoint,
             "fingerprint": self.fingerprint.digest,
+            "simulated": self.config.simulate is not None,
             **self.role.info(),
         }
 

@@ -108,6 +108,26 @@ def test_crd_defaults_match_operator_defaults() -> None:
         {"decode": {"engineOptions": {"max_num_seqs": True}}},
         {"model": {"pvc": {"mountPath": "/x"}}},
         {"unknownField": 1},
+        {"workload": {"inputTokens": 100, "outputTokens": 10}},
+        {"workload": {"inputTokens": 0, "outputTokens": 10, "requestsPerSecond": 1}},
+        {"workload": {"inputTokens": 9, "outputTokens": 9, "requestsPerSecond": 0}},
+        {
+            "workload": {
+                "inputTokens": 9,
+                "outputTokens": 9,
+                "requestsPerSecond": 1,
+                "prefixShare": 1,
+            }
+        },
+        {
+            "workload": {
+                "inputTokens": 9,
+                "outputTokens": 9,
+                "requestsPerSecond": 1,
+                "profile": {"key": "p.json"},
+            }
+        },
+        {"autoscaling": {"planner": "yes"}},
     ],
 )
 def test_schema_refuses_bad_specs(patch: dict[str, Any]) -> None:
@@ -138,6 +158,17 @@ def test_schema_refuses_bad_specs(patch: dict[str, Any]) -> None:
         ({"prefill": {"port": 8000}}, "must differ"),
         ({"model": {"path": "/data/m", "pvc": {"claimName": "c"}}}, "outside the PVC mount"),
         ({"prefill": {"engineOptions": {"--x": 1}}}, "must be a bare option name"),
+        (
+            {"autoscaling": {"enabled": True, "planner": True}},
+            "spec.autoscaling.planner needs spec.autoscaling.enabled and spec.workload",
+        ),
+        (
+            {
+                "autoscaling": {"planner": True},
+                "workload": {"inputTokens": 9, "outputTokens": 9, "requestsPerSecond": 1},
+            },
+            "spec.autoscaling.planner needs spec.autoscaling.enabled",
+        ),
     ],
 )
 def test_operator_refuses_what_schema_cannot(spec: dict[str, Any], message: str) -> None:
@@ -422,6 +453,19 @@ def test_effective_replicas() -> None:
     assert effective_replicas(scaled, {}) == Replicas(3, 1)
     status = {"autoscaling": {"prefill": {"desiredReplicas": 9}, "decode": {"desiredReplicas": 2}}}
     assert effective_replicas(scaled, status) == Replicas(4, 2)  # clamped to max 4
+    # The planner's starting counts stand until the autoscaler's first decision.
+    planned = parse_spec(
+        {
+            "prefill": {"replicas": 3},
+            "autoscaling": {"enabled": True, "planner": True, "decode": {"maxReplicas": 8}},
+            "workload": {"inputTokens": 9, "outputTokens": 9, "requestsPerSecond": 1},
+        }
+    )
+    start = {"autoscaling": {"planner": {"startReplicas": {"prefill": 2, "decode": 6}}}}
+    assert effective_replicas(planned, start) == Replicas(2, 6)
+    decided = {"autoscaling": {**start["autoscaling"], "decode": {"desiredReplicas": 3}}}
+    assert effective_replicas(planned, decided) == Replicas(2, 3)
+    assert effective_replicas(scaled, start) == Replicas(3, 1)  # planner off: ignored
 
 
 def test_pod_info_readiness_and_age() -> None:

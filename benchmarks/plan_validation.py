@@ -1,0 +1,241 @@
+"""Validate the planner's simulator against real `tandem up` runs, in one command.
+
+For each model: `tandem profile` (or ``--profile``), then for 3 workloads x 2 loads x
+{colocated, 1P1D}: run the real deployment (`tandem up`, KV over TCP) under a replay of the
+workload (``replay_load.py``: the simulator's own requests, at their arrival times), simulate the
+same requests with `tandem.planner` (the workers sharing this machine's cores), and compare TTFT
+p90 and ITL p90 (client view, guidellm's definitions). Writes ``results.json``, a Markdown table
+and the predicted-vs-measured plot to ``--out``.
+
+    python benchmarks/plan_validation.py                       # demo + random-512, ~45 min
+    python benchmarks/plan_validation.py --models demo --quick # a smoke run, ~5 min
+    python benchmarks/plan_validation.py --simulated-workers   # the simulator against
+        # `tandem up --simulate` on the same profile: the router, HTTP and scheduling model alone
+
+Run it on a quiet machine: every number is a wall-clock latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from replay_load import Measured, replay
+
+from tandem.calibrate import LocalUp
+from tandem.engine.sim.profile import Profile, load_profile
+from tandem.planner.metrics import Percentiles
+from tandem.planner.simulator import Deployment, SimOptions, simulate
+from tandem.planner.workload import Arrival, Lengths, Workload, generate
+
+DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    model: str
+    workload: str
+    load: str
+    rate: float
+    deployment: str
+    requests: int
+    measured_ttft_p90: float
+    predicted_ttft_p90: float
+    measured_itl_p90: float
+    predicted_itl_p90: float
+    failed: int
+
+    @property
+    def ttft_error(self) -> float:
+        return self.predicted_ttft_p90 / self.measured_ttft_p90 - 1
+
+    @property
+    def itl_error(self) -> float:
+        return self.predicted_itl_p90 / self.measured_itl_p90 - 1
+
+
+def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
+    """(input, output) tokens of the three shapes, scaled to the model's context (at most 512,
+    so a run stays about a minute)."""
+    max_len = min(max_model_len, 512)
+    return {
+        "chat": (max_len // 4, max_len // 8),
+        "prefill-heavy": (max_len * 3 // 4, max_len // 16),
+        "decode-heavy": (max_len // 8, max_len // 2),
+    }
+
+
+def rates(profile: Profile, isl: int, osl: int) -> dict[str, float]:
+    """Light and moderate loads: 30% and 60% of what one worker does one request at a time."""
+    step = profile.step
+    alone = step.step_seconds([(isl, 0)]) + sum(
+        step.step_seconds([(1, isl + i)]) for i in range(osl - 1)
+    )
+    return {"light": round(0.3 / alone, 3), "moderate": round(0.6 / alone, 3)}
+
+
+def profile_model(model: str, out: Path, quick: bool) -> Path:
+    path = out / f"profile-{Path(model).name}.json"
+    cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
+           "--transports", "tcp"] + (["--quick"] if quick else [])  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return path
+
+
+def _p90(values: list[float]) -> float:
+    return Percentiles.of(values).p90
+
+
+def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
+              cores: int | None, simulated: bool) -> list[Row]:  # fmt: skip
+    profile = load_profile(profile_path)
+    rows = []
+    shapes = workloads(profile.model.max_model_len)
+    if quick:
+        shapes = dict(list(shapes.items())[:1])
+    for wname, (isl, osl) in shapes.items():
+        loads = rates(profile, isl, osl)
+        if quick:
+            loads = {"moderate": loads["moderate"]}
+        for lname, rate in loads.items():
+            n = max(20, round(rate * duration))
+            w = Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=n,
+                         arrival=Arrival.POISSON)  # fmt: skip
+            reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
+            for dname, (p, d) in DEPLOYMENTS.items():
+                warm = generate(
+                    Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=4),
+                    profile.model.sim_token_ids, 99, profile.model.max_model_len,
+                )  # fmt: skip
+                logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}"
+                logs.mkdir(parents=True, exist_ok=True)
+                args = ["--model", model, "--prefill", str(p), "--decode", str(d),
+                        "--kv-transport", "tcp"]  # fmt: skip
+                if simulated:
+                    args += ["--simulate", str(profile_path)]
+                with LocalUp(args, p + d, logs) as up:
+                    replay(up.url, model, warm)  # tandem up serves --model under that name
+                    measured: list[Measured] = replay(up.url, model, reqs)
+                dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
+                # Simulated workers wait their steps: they share no cores in the simulator.
+                shared = None if simulated else cores
+                sim = simulate(profile, w, dep, SimOptions(seed=0, shared_cores=shared))
+                ok = [m for m in measured if m.error is None]
+                row = Row(
+                    model=Path(model).name, workload=wname, load=lname, rate=rate,
+                    deployment=dname, requests=len(reqs),
+                    measured_ttft_p90=_p90([m.ttft for m in ok if m.ttft is not None]),
+                    predicted_ttft_p90=sim.ttft.p90,
+                    measured_itl_p90=_p90([m.itl for m in ok if m.itl is not None]),
+                    predicted_itl_p90=sim.itl.p90,
+                    failed=len(measured) - len(ok),
+                )  # fmt: skip
+                rows.append(row)
+                print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
+                      f"TTFT p90 {row.measured_ttft_p90:.3f} s vs {row.predicted_ttft_p90:.3f} "
+                      f"({row.ttft_error:+.0%}), ITL p90 {row.measured_itl_p90:.4f} s vs "
+                      f"{row.predicted_itl_p90:.4f} ({row.itl_error:+.0%})",
+                      flush=True)  # fmt: skip
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured / predicted"
+        " (error) | ITL p90 measured / predicted (error) |",
+        "| --- | --- | --- | ---: | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
+            f"{r.measured_ttft_p90:.3f} s / {r.predicted_ttft_p90:.3f} s ({r.ttft_error:+.0%}) | "
+            f"{r.measured_itl_p90 * 1e3:.1f} ms / {r.predicted_itl_p90 * 1e3:.1f} ms "
+            f"({r.itl_error:+.0%}) |"
+        )
+    within = sum(abs(r.ttft_error) <= 0.25 and abs(r.itl_error) <= 0.25 for r in rows)
+    lines.append(f"\n{within} of {len(rows)} runs have both errors within 25 %.")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, metric, unit in ((axes[0], "ttft", "s"), (axes[1], "itl", "s")):
+        xs = [getattr(r, f"measured_{metric}_p90") for r in rows]
+        ys = [getattr(r, f"predicted_{metric}_p90") for r in rows]
+        for dep, marker in (("colocated", "o"), ("1P1D", "s")):
+            pts = [(x, y) for x, y, r in zip(xs, ys, rows, strict=True) if r.deployment == dep]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=dep)
+        lo, hi = min(xs + ys) * 0.7, max(xs + ys) * 1.4
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], alpha=0.15,
+                        color="gray", label="±25 %")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {metric.upper()} p90 ({unit})")
+        ax.set_ylabel(f"predicted {metric.upper()} p90 ({unit})")
+        ax.legend()
+    fig.suptitle("tandem plan's simulator vs real tandem up (same requests)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="demo,random-512",
+                    help="comma-separated: demo, random-512 (a random-weight Llama, hidden 512) "
+                    "or model directories")  # fmt: skip
+    ap.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="MODEL=PROFILE.json",
+        help="reuse a profile instead of profiling (repeatable)",
+    )
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
+    ap.add_argument("--quick", action="store_true", help="one workload, one load, quick profile")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores the workers share (the simulator's shared_cores)",
+    )
+    ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
+    ap.add_argument(
+        "--simulated-workers",
+        action="store_true",
+        help="run `tandem up --simulate` on each profile instead of the real model",
+    )
+    args = ap.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="plan-validation-"))
+    out.mkdir(parents=True, exist_ok=True)
+    given = dict(p.split("=", 1) for p in args.profile)
+    rows: list[Row] = []
+    for name in args.models.split(","):
+        model = name
+        if name == "random-512":
+            from offline_throughput import write_random_llama
+
+            model = write_random_llama(hidden=512, layers=4)
+        profile = Path(given[name]) if name in given else profile_model(model, out, args.quick)
+        rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
+                          args.simulated_workers)  # fmt: skip
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    (out / "table.md").write_text(table(rows) + "\n")
+    plot(rows, out / "plan_validation.png")
+    print(table(rows))
+    print(f"\nwrote {out}/results.json, table.md and plan_validation.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The router on the virtual clock: the real placement over what a real router would know.
+
+For each request, as ``tandem.router.flow`` does: choose a decode (or colocated) worker with
+``Placer.choose`` over ``Candidate`` snapshots, decide local or remote prefill with
+``decide_prefill``, choose a prefill worker the same way, hand the prefill's KV parameters to the
+decode worker. What the router knows is modelled as it is: prefix overlap from a real
+``PrefixIndex`` fed by the workers' KV events (after ``event_seconds``), load from heartbeats
+(each worker's snapshot refreshed every ``heartbeat_seconds``, so it lags), and its own in-flight
+counts (exact). Client-side times add the profile's serving latencies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.engine.hashing import hash_block_tokens
+from tandem.engine.kv_connector import KVTransferParams
+from tandem.engine.kv_events import KVEvent, KVEventBatch
+from tandem.engine.request import Request
+from tandem.engine.role import Role
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sim.profile import ServingCost
+from tandem.planner.events import EventLoop
+from tandem.planner.metrics import RequestTrace
+from tandem.planner.sim_worker import SimWorker, WorkerCallbacks, WorkerLoad
+from tandem.planner.workload import WorkloadRequest
+from tandem.prefill.hooks import mark_remote_decode
+from tandem.router.placement import Candidate, Placer, PrefillMode, decide_prefill
+from tandem.router.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0
+    heartbeat_seconds: float = 1.0
+    event_seconds: float = 0.0005
+
+
+class SimRouter:
+    """Owns the placement state; ``workers`` register before the first arrival."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        placer: Placer,
+        config: RouterConfig,
+        serving: ServingCost,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        on_done: Callable[[RequestTrace], None],
+    ) -> None:
+        self.loop = loop
+        self.placer = placer
+        self.config = config
+        self.serving = serving
+        self.block_size = block_size
+        self.eos = eos_token_ids
+        self.index = PrefixIndex(lambda: loop.now)
+        self.workers: list[SimWorker] = []
+        self._snapshot: dict[str, WorkerLoad] = {}
+        self._inflight: dict[str, int] = {}
+        self._seq: dict[str, int] = {}
+        self._traces: dict[str, RequestTrace] = {}
+        self._owner: dict[str, str] = {}  # sub-request id -> client request id
+        self._pending_decode: dict[str, tuple[SimWorker, WorkloadRequest]] = {}
+        self._on_done = on_done
+        self.gaps: list[float] = []  # every gap the client sees
+        self.decode_gaps: list[float] = []  # every gap after the router's first token
+        self.placements: dict[str, int] = {}
+
+    @property
+    def callbacks(self) -> WorkerCallbacks:
+        return WorkerCallbacks(self._on_output, self._on_handoff, self._on_events)
+
+    def register(self, worker: SimWorker, phase: float) -> None:
+        """Add a worker (synced prefix index, empty load); heartbeats start at ``phase``."""
+        self.workers.append(worker)
+        eid = worker.engine_id
+        self._snapshot[eid] = WorkerLoad()
+        self._inflight[eid] = 0
+        self._seq[eid] = 0
+        self.index.add_worker(eid, worker.pool.num_blocks)
+        self.index.load_snapshot(eid, eid, 0, [])
+        self.loop.at(phase, lambda: self._heartbeat(worker))
+
+    def _heartbeat(self, worker: SimWorker) -> None:
+        self._snapshot[worker.engine_id] = worker.load
+        self.loop.after(self.config.heartbeat_seconds, lambda: self._heartbeat(worker))
+
+    # ---- a request's path ---------------------------------------------------------------------
+    def arrive(self, rid: str, wr: WorkloadRequest) -> None:
+        """At ``wr.arrival``: the client sends; placement after the router's own latency."""
+        trace = RequestTrace(wr.arrival, len(wr.prompt_token_ids), wr.max_tokens)
+        self._traces[rid] = trace
+        self.loop.after(self.serving.request_seconds, lambda: self._place(rid, wr, trace))
+
+    def _candidates(self, workers: list[SimWorker], hashes: list) -> list[Candidate]:
+        out = []
+        for w in workers:
+            snap = self._snapshot[w.engine_id]
+            out.append(
+                Candidate(w.engine_id, self.index.overlap(w.engine_id, hashes), len(hashes),
+                          snap.running, snap.waiting, snap.kv_usage, self._inflight[w.engine_id])
+            )  # fmt: skip
+        return out
+
+    def _choose(self, pool: str, roles: tuple[Role, ...], hashes: list) -> tuple[SimWorker, int]:
+        workers = [w for w in self.workers if w.role in roles]
+        choice = self.placer.choose(pool, self._candidates(workers, hashes))
+        (worker,) = [w for w in workers if w.engine_id == choice.engine_id]
+        if len(hashes) > choice.overlap_blocks:
+            self.index.mark_expecting(worker.engine_id)
+        return worker, choice.overlap_blocks
+
+    def _request(self, rid: str, wr: WorkloadRequest) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=wr.max_tokens, ignore_eos=True)
+        return Request(rid, list(wr.prompt_token_ids), params, eos_token_ids=self.eos,
+                       block_size=self.block_size, arrival_time=self.loop.now,
+                       max_tokens=wr.max_tokens)  # fmt: skip
+
+    def _place(self, rid: str, wr: WorkloadRequest, trace: RequestTrace) -> None:
+        hashes = hash_block_tokens(list(wr.prompt_token_ids), self.block_size)
+        d, overlap = self._choose("decode", (Role.DECODE, Role.COLOCATED), hashes)
+        prefills = [w for w in self.workers if w.role is Role.PREFILL]
+        decision = decide_prefill(
+            prompt_tokens=len(wr.prompt_token_ids),
+            decode_cached_tokens=overlap * self.block_size,
+            threshold_tokens=self.config.local_prefill_threshold,
+            decode_is_colocated=d.role is Role.COLOCATED,
+            prefill_available=bool(prefills),
+            prefill_min_queue=min(
+                (self._snapshot[w.engine_id].waiting + self._inflight[w.engine_id]
+                 for w in prefills), default=0),
+            overload_queue=self.config.prefill_overload_queue,
+        )  # fmt: skip
+        trace.path = decision.reason
+        self.placements[decision.reason] = self.placements.get(decision.reason, 0) + 1
+        if decision.mode is PrefillMode.REMOTE:
+            p, _ = self._choose("prefill", (Role.PREFILL,), hashes)
+            req = self._request(f"{rid}-p", wr)
+            mark_remote_decode([req])
+            self._send(p, req, rid)
+            self._pending_decode[f"{rid}-p"] = (d, wr)
+        else:
+            self._send(d, self._request(f"{rid}-d", wr), rid)
+
+    def _send(self, worker: SimWorker, req: Request, rid: str) -> None:
+        self._inflight[worker.engine_id] += 1
+        self._owner[req.request_id] = rid
+        worker.submit(req)
+
+    def _on_handoff(self, worker: SimWorker, req: Request, wire: dict) -> None:
+        """Prefill finished: its first token streams to the client, its KV goes to decode."""
+        self._inflight[worker.engine_id] -= 1
+        rid = self._owner.pop(req.request_id)
+        self._token(rid, req, final=False, handoff=True)
+        d, wr = self._pending_decode.pop(req.request_id)
+        params = KVTransferParams.from_dict(wire)
+
+        def admit() -> None:
+            dreq = self._request(f"{rid}-d", wr)
+            # As decode/intake.attach_remote_kv: the prefill's token is output 0.
+            dreq.append_output_token(params.first_token_id)
+            dreq.kv_transfer_params = params
+            self._send(d, dreq, rid)
+
+        self.loop.after(self.serving.handoff_seconds, admit)
+
+    def _on_output(self, worker: SimWorker, req: Request, new_token: bool) -> None:
+        rid = self._owner.get(req.request_id)
+        if rid is None:
+            return
+        if req.is_finished:
+            self._inflight[worker.engine_id] -= 1
+            del self._owner[req.request_id]
+            self._pending_decode.pop(req.request_id, None)
+        if new_token:
+            self._token(rid, req, final=req.is_finished)
+        elif req.is_finished:
+            self._finish(rid)
+
+    def _token(self, rid: str, req: Request, final: bool, handoff: bool = False) -> None:
+        trace = self._traces[rid]
+        if trace.num_tokens == 0:
+            trace.num_cached_tokens = max(req.num_cached_tokens, 0)
+
+        def deliver() -> None:
+            now = self.loop.now
+            if trace.first_token is None:
+                trace.first_token = now
+            else:
+                self.gaps.append(now - (trace.last_token or now))
+            if not handoff:
+                if trace.router_first is None:
+                    trace.router_first = now
+                elif trace.last_token is not None:
+                    self.decode_gaps.append(now - trace.last_token)
+            trace.last_token = now
+            trace.num_tokens += 1
+            if final:
+                self._finish(rid)
+
+        self.loop.after(self.serving.token_seconds, deliver)
+
+    def _finish(self, rid: str) -> None:
+        trace = self._traces.pop(rid)
+        trace.finished = True
+        self._on_done(trace)
+
+    def _on_events(self, worker: SimWorker, events: list[KVEvent]) -> None:
+        eid = worker.engine_id
+        batch = KVEventBatch(eid, self._seq[eid], tuple(events))
+        self._seq[eid] += 1
+        self.loop.after(self.config.event_seconds, lambda: self.index.apply(eid, batch))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._traces)
+
+    @property
+    def unfinished(self) -> list[RequestTrace]:
+        return list(self._traces.values())

@@ -1,0 +1,188 @@
+"""One simulated worker: the engine's step loop on the virtual clock, over the real core.
+
+A ``SimWorker`` owns a real ``BlockPool``, ``KVCacheManager`` and ``Scheduler`` and runs the real
+role hooks (``ColocatedHooks``, ``PrefillHooks``, ``DecodeHooks`` over a ``SimConnector``), in
+``Engine.step``'s order: ``before_step`` -> ``schedule`` -> ``on_scheduled`` -> (the step's
+profiled time passes) -> ``update`` -> outputs and hand-offs -> KV events. Steps run back to back
+while there is work, as on the engine thread; an idle worker sleeps until a request, a finished
+load or a release wakes it (after the engine thread's poll interval). Tokens come from
+``tandem.engine.sim.tokens.sample``, as on a simulated worker process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.decode.hooks import DecodeHooks, LoadFailurePolicy
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.hooks import ColocatedHooks, RoleHooks
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_events import KVEvent
+from tandem.engine.outputs import EngineOutput, SchedulerOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.role import Role
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sim.cost_model import StepCost
+from tandem.engine.sim.tokens import sample
+from tandem.planner.events import EventLoop
+from tandem.planner.sim_kv import KVFabric
+from tandem.prefill.hooks import PrefillHooks
+
+POLL_SECONDS = 0.002  # the engine thread's poll while it only waits on the KV connector
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What a heartbeat carries (EngineStats' load fields)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerCallbacks:
+    """How a worker reports to the simulated router (all called on the virtual clock)."""
+
+    # A request's new token (True) or its end without one (False: ended in a role hook).
+    on_output: Callable[[SimWorker, Request, bool], None]
+    on_handoff: Callable[[SimWorker, Request, dict], None]  # prefill done: kv_transfer_params
+    on_events: Callable[[SimWorker, list[KVEvent]], None]  # after every step with events
+
+
+class SimWorker:
+    def __init__(
+        self,
+        loop: EventLoop,
+        engine_id: str,
+        role: Role,
+        cost: StepCost,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        token_ids: tuple[int, ...],
+        fabric: KVFabric,
+        callbacks: WorkerCallbacks,
+        slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
+        step_overhead: float = 0.0,
+        row_overhead: float = 0.0,
+    ) -> None:
+        self.loop = loop
+        self.engine_id = engine_id
+        self.role = role
+        self.cost = cost
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.kv = KVCacheManager(self.pool, block_size, True)
+        self.scheduler = Scheduler(config, self.kv)
+        self._tokens = token_ids
+        self._cb = callbacks
+        self._slowdown = slowdown
+        # The serving worker's own time per step and per streamed sequence (ServingCost).
+        self._overhead = step_overhead
+        self._row_overhead = row_overhead
+        self.hooks: RoleHooks
+        if role is Role.COLOCATED:
+            self.hooks = ColocatedHooks()
+        else:
+            conn = fabric.connector(engine_id, lambda: self.wake(POLL_SECONDS / 2))
+            if role is Role.PREFILL:
+                self.hooks = PrefillHooks(conn)
+            else:
+                self.hooks = DecodeHooks(conn, LoadFailurePolicy.RECOMPUTE)
+        self.busy = False
+        self._wake_at: float | None = None
+        # Observability of the run.
+        self.steps = 0
+        self.busy_seconds = 0.0
+        self.max_waiting = 0
+        self.max_kv_usage = 0.0
+        self._usage_area = 0.0
+        self._usage_since = 0.0
+        self.history: list[list[tuple[str, int]]] | None = None  # per step, when recording
+
+    @property
+    def load(self) -> WorkerLoad:
+        s = self.scheduler
+        return WorkerLoad(len(s.running) + len(s.loading), len(s.waiting), self.pool.usage)
+
+    def submit(self, req: Request) -> None:
+        """A request reaches the engine thread: role check, queue, wake."""
+        self.hooks.on_admit(req)
+        self.scheduler.add_request(req)
+        self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
+        self.wake()
+
+    def wake(self, delay: float = 0.0) -> None:
+        if self.busy:
+            return
+        t = self.loop.now + delay
+        if self._wake_at is not None and self._wake_at <= t:
+            return
+        self._wake_at = t
+        self.loop.at(t, self._wake)
+
+    def _wake(self) -> None:
+        if self._wake_at is None or self.loop.now < self._wake_at:
+            return  # superseded by an earlier wake
+        self._wake_at = None
+        self._step()
+
+    def _step(self) -> None:
+        if self.busy:
+            return
+        sched = self.scheduler
+        ended = self.hooks.before_step(sched)
+        out = sched.schedule()
+        ended += self.hooks.on_scheduled(sched, out)
+        for req in ended:
+            self._cb.on_output(self, req, False)
+        if out.is_empty:
+            self._events()
+            return  # idle: a request, a finished load or a release wakes it
+        rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
+        if self.history is not None:
+            self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        serving = self._overhead + self._row_overhead * len(rows)
+        seconds = (self.cost.step_seconds(rows) + serving) * self._slowdown(self)
+        self.busy = True
+        self.steps += 1
+        self.busy_seconds += seconds
+        self.loop.after(seconds, lambda: self._finish(out))
+
+    def _finish(self, out: SchedulerOutput) -> None:
+        changed = self.scheduler.update(out, sample(out, self._tokens))
+        self._track_usage()
+        for req in changed:
+            if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
+                final = EngineOutput(req.request_id, req.group_id, 0, [], True)
+                self.hooks.on_handoff(req, final)
+                assert final.kv_transfer_params is not None
+                self._cb.on_handoff(self, req, final.kv_transfer_params)
+            else:
+                self._cb.on_output(self, req, True)
+        self._events()
+        self.busy = False
+        self._step()
+
+    def _events(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self._cb.on_events(self, events)
+
+    def _track_usage(self) -> None:
+        now = self.loop.now
+        usage = self.pool.usage
+        self._usage_area += usage * (now - self._usage_since)
+        self._usage_since = now
+        self.max_kv_usage = max(self.max_kv_usage, usage)
+
+    def mean_kv_usage(self, duration: float) -> float:
+        return self._usage_area / duration if duration > 0 else 0.0
+
+    @property
+    def unfinished(self) -> int:
+        s = self.scheduler
+        return s.num_unfinished + len(s.pinned)

@@ -1,0 +1,184 @@
+"""``simulate(profile, workload, deployment)``: one deployment under one workload, on a virtual
+clock, predicting what the client would measure.
+
+The deployment is P prefill + D decode workers (or D colocated when P is 0) with the engine's
+token budget and sequence cap, the router's local-prefill threshold and policy, and the KV
+transport whose profiled transfer time applies. Every request is generated up front from the
+seed (``workload.generate``) and the run ends when all finished, or early, as overloaded, when
+the requests in flight pass ``SimOptions.max_in_flight`` (the queues are growing without bound;
+the unfinished requests then count as infinite TTFT). Deterministic for a seed.
+
+``SimOptions.shared_cores``: the workers share one machine's CPU cores (``tandem up`` on a CPU
+host, each worker's step using the profile's ``torch_threads``): a step that starts while the
+busy workers want more threads than there are cores takes longer by that ratio. Off (None) for
+a deployment where each worker has its own accelerator, and for simulated workers (their steps
+wait; they do not compute).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.role import Role
+from tandem.engine.sim.profile import Profile
+from tandem.planner.events import EventLoop
+from tandem.planner.metrics import PoolStats, RequestTrace, SimResult, summarize_latencies
+from tandem.planner.sim_kv import KVFabric
+from tandem.planner.sim_router import RouterConfig, SimRouter
+from tandem.planner.sim_worker import SimWorker
+from tandem.planner.workload import Workload, generate
+from tandem.router.placement import Placer, Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    prefill: int = 0
+    decode: int = 1  # decode workers, or colocated workers when prefill is 0
+    max_num_batched_tokens: int | None = None  # None: as profiled
+    max_num_seqs: int | None = None
+    num_blocks: int | None = None
+    local_prefill_threshold: int = 0
+    prefill_overload_queue: int = 0
+    policy: str = "prefix-aware"
+    kv_transport: str = "tcp"
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("a deployment needs prefill >= 0 and decode >= 1 workers")
+        Policy.parse(self.policy)
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill == 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.decode} colocated" if self.colocated else f"{self.prefill}P{self.decode}D"
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    seed: int = 0
+    max_in_flight: int | None = None  # None: 2 x the deployment's total max_num_seqs, >= 256
+    shared_cores: int | None = None
+    record_history: bool = False  # keep each worker's per-step schedule (tests)
+
+
+@dataclass(slots=True)
+class Simulation:
+    """A finished run: the result plus the objects, for tests that inspect them."""
+
+    result: SimResult
+    workers: list[SimWorker]
+    router: SimRouter
+
+
+def _slowdown(cores: int | None, threads: int, workers: list[SimWorker]):  # noqa: ANN202
+    if cores is None:
+        return lambda _w: 1.0
+
+    def factor(_w: SimWorker) -> float:
+        busy = 1 + sum(1 for w in workers if w.busy)
+        return max(1.0, busy * threads / cores)
+
+    return factor
+
+
+def run_simulation(
+    profile: Profile, workload: Workload, dep: Deployment, options: SimOptions = SimOptions()
+) -> Simulation:
+    wall0 = time.perf_counter()
+    loop = EventLoop()
+    e = profile.engine
+    max_len = profile.model.max_model_len
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=dep.max_num_batched_tokens or e.max_num_batched_tokens,
+        max_num_seqs=dep.max_num_seqs or e.max_num_seqs,
+        max_model_len=max_len,
+    )
+    profile.transfer.seconds(dep.kv_transport, 0)  # ValueError now for an unprofiled transport
+    fabric = KVFabric(loop, lambda n: profile.transfer.seconds(dep.kv_transport, n), e.block_bytes)
+    done: list[RequestTrace] = []
+    router = SimRouter(
+        loop, Placer(Policy.parse(dep.policy)),
+        RouterConfig(dep.local_prefill_threshold, dep.prefill_overload_queue),
+        profile.serving, e.block_size, frozenset(profile.model.eos_token_ids), done.append,
+    )  # fmt: skip
+    roles = [Role.PREFILL] * dep.prefill
+    roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
+    workers: list[SimWorker] = []
+    threads = profile.hardware.get("torch_threads", 1)
+    threads = threads if type(threads) is int and threads > 0 else 1
+    slowdown = _slowdown(options.shared_cores, threads, workers)
+    num_blocks = dep.num_blocks or e.num_blocks
+    counts: dict[Role, int] = {}
+    for i, role in enumerate(roles):
+        n = counts.get(role, 0)
+        counts[role] = n + 1
+        w = SimWorker(
+            loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
+            profile.model.sim_token_ids, fabric, router.callbacks, slowdown,
+            profile.serving.step_seconds, profile.serving.row_seconds,
+        )  # fmt: skip
+        if options.record_history:
+            w.history = []
+        workers.append(w)
+        router.register(w, phase=(i + 1) * router.config.heartbeat_seconds / (len(roles) + 1))
+    reqs = generate(workload, profile.model.sim_token_ids, options.seed, max_len)
+    for i, wr in enumerate(reqs):
+        loop.at(wr.arrival, lambda i=i, wr=wr: router.arrive(f"r{i}", wr))
+    bound = options.max_in_flight or max(256, 2 * cfg.max_num_seqs * len(roles))
+    loop.run(until=lambda: len(done) == len(reqs) or router.in_flight > bound)
+    overloaded = len(done) < len(reqs)
+    traces = list(done) + router.unfinished if overloaded else list(done)
+    lat = summarize_latencies(traces, router.gaps, router.decode_gaps)
+    duration = max((t.last_token or 0.0) for t in done) if done else loop.now
+    pools: dict[str, list[SimWorker]] = {}
+    for w in workers:
+        pools.setdefault(w.role.label, []).append(w)
+    result = SimResult(
+        total=len(reqs),
+        completed=len(done),
+        overloaded=overloaded,
+        duration=duration,
+        ttft=lat.ttft,
+        itl=lat.itl,
+        e2e=lat.e2e,
+        token_gap=lat.token_gap,
+        router_ttft=lat.router_ttft,
+        router_itl=lat.router_itl,
+        output_tokens_per_s=sum(t.num_tokens for t in done) / duration if duration else 0.0,
+        pools={name: _pool_stats(ws, duration) for name, ws in pools.items()},
+        paths=dict(router.placements),
+        events=loop.num_events,
+        wall_seconds=time.perf_counter() - wall0,
+        traces=tuple(traces),
+    )
+    return Simulation(result, workers, router)
+
+
+def _pool_stats(workers: list[SimWorker], duration: float) -> PoolStats:
+    n = len(workers)
+    span = max(duration, 1e-9)
+    return PoolStats(
+        workers=n,
+        utilization=sum(w.busy_seconds for w in workers) / (n * span),
+        mean_kv_usage=sum(w.mean_kv_usage(span) for w in workers) / n,
+        max_kv_usage=max(w.max_kv_usage for w in workers),
+        max_waiting=max(w.max_waiting for w in workers),
+        steps=sum(w.steps for w in workers),
+        preemptions=sum(w.scheduler.num_preemptions for w in workers),
+    )
+
+
+def simulate(
+    profile: Profile, workload: Workload, dep: Deployment, options: SimOptions = SimOptions()
+) -> SimResult:
+    """The predicted client-side latencies and pool load of ``dep`` under ``workload``."""
+    return run_simulation(profile, workload, dep, options).result

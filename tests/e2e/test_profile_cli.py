@@ -1,0 +1,63 @@
+"""`tandem profile` end to end on the demo model (quick grid): the real engine's steps, a real
+KV pull over TCP between two processes, the serving stage through simulated workers; the
+result loads, fits its own points and drives a simulated worker and `tandem plan`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tandem.engine.sim.profile import load_profile
+from tandem.engine.sim.tokens import printable_token_ids
+
+
+def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "profile", "--model", "demo", "--quick",
+         "--repeats", "2", "--transports", "tcp", "--output", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tandem profile: 100%" in run.stderr  # the progress bar reached its end
+    assert f"wrote {out}" in run.stdout
+    profile = load_profile(out)
+    assert (profile.model.num_layers, profile.model.num_kv_heads, profile.model.head_dim) == (
+        4, 2, 32,
+    )  # fmt: skip
+    assert profile.model.max_model_len == 256 and profile.engine.block_size == 16
+    assert profile.engine.num_blocks == 512 * 1024 * 1024 // profile.engine.block_bytes
+    labels = {p.label.split()[0] for p in profile.step_points}
+    assert labels == {"prefill", "decode", "mixed"}
+    for p in profile.step_points:
+        assert p.execute_seconds > 0 and len(p.samples) == 2
+        assert sorted(p.samples)[0] == p.execute_seconds  # lower quartile of two
+    # Prefill rows are what the grid asked for: q fresh tokens after a cached prefix of ctx.
+    chunk = next(p for p in profile.step_points if p.label == "prefill q=32 ctx=64")
+    assert chunk.rows == ((32, 64, 1),)
+    assert {p.transport for p in profile.transfer_points} == {"tcp"}
+    assert set(profile.transfer.models) == {"tcp"}
+    big, small = (
+        max(profile.transfer_points, key=lambda p: p.num_bytes),
+        min(profile.transfer_points, key=lambda p: p.num_bytes),
+    )
+    assert big.num_bytes == 16 * profile.engine.block_bytes and small.num_bytes < big.num_bytes
+    # The serving stage ran: the router's share of a first token is never free.
+    assert profile.serving.request_seconds > 0
+    from transformers import AutoTokenizer
+
+    from tandem.engine.demo import weights_path
+
+    tok = AutoTokenizer.from_pretrained(str(weights_path()))
+    assert profile.model.sim_token_ids == printable_token_ids(tok, 262, frozenset([257]))
+    plan = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "plan", "--profile", str(out), "--isl", "64",
+         "--osl", "16", "--rate", "2", "--ttft-p90", "5", "--itl-p90", "1", "--json",
+         "--requests", "60", "--max-workers", "4"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    answer = json.loads(plan.stdout)
+    assert answer["feasible"] is True and answer["prefill"] + answer["decode"] <= 2
