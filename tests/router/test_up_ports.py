@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import socket
 
-from tandem.up import _ephemeral_range, worker_port
+from tandem.up_config import _ephemeral_range, worker_port
 
 
 def test_worker_ports_are_free_and_below_the_ephemeral_range() -> None:
