@@ -13,6 +13,7 @@ import torch
 
 from tandem.engine.builder import EngineParts, build_engine_parts
 from tandem.engine.config import EngineConfig
+from tandem.engine.hashing import BlockHash
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
@@ -291,7 +292,15 @@ class Engine:
 
     # ---- observability ------------------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """The device pool's events, then the host tier's (each tier's set changes apart)."""
+        events = self.pool.take_events()
+        if self.kv.tier is not None:
+            events.extend(self.kv.tier.host.take_events())
+        return events
+
+    def cached_host_hashes(self) -> list[BlockHash]:
+        """Hashes the host tier holds (the KV-event snapshot's host part); [] without one."""
+        return self.kv.tier.host.cached_hashes() if self.kv.tier is not None else []
 
     def stats(self) -> EngineStats:
         sched, tier, copier = self.scheduler, self.kv.tier, self.copier

@@ -7,6 +7,9 @@ prefix block (``block_hash`` set): it is evicted, least recently stored or used 
 new host block is needed. Blocks without a hash (never used, invalidated, or a swapped request's
 partial tail once released) sit at the head of the queue, so they are reused before any cached
 block is evicted.
+
+It records a KV event (``tier`` HOST) whenever a hash joins or leaves its map, so the router's
+prefix index knows which prefixes a worker can load from host memory (``take_events``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tandem.engine.hashing import BlockHash
+from tandem.engine.kv_events import BlockTier, KVEvent, KVEventKind
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +42,7 @@ class HostBlockPool:
         self._cached: dict[BlockHash, HostBlock] = {}
         self._num_empty = num_blocks  # free blocks without a hash (kept for O(1) usage)
         self.num_evicted = 0
+        self._events: list[KVEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +84,7 @@ class HostBlockPool:
             raise ValueError(f"host block {block.block_id} cannot be registered")
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self._record(KVEventKind.STORED, block_hash)
 
     def touch(self, block: HostBlock) -> None:
         """A free cached block was used again: it becomes the most recently used."""
@@ -118,7 +124,23 @@ class HostBlockPool:
     def _drop_hash(self, block: HostBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            self._record(KVEventKind.REMOVED, block.block_hash)
             block.block_hash = None
+
+    def _record(self, kind: KVEventKind, block_hash: BlockHash) -> None:
+        last = self._events[-1] if self._events else None
+        if last is not None and last.kind is kind:  # one event per run of the same kind
+            self._events[-1] = KVEvent(kind, (*last.block_hashes, block_hash), BlockTier.HOST)
+        else:
+            self._events.append(KVEvent(kind, (block_hash,), BlockTier.HOST))
+
+    def take_events(self) -> list[KVEvent]:
+        """Called by the engine after each step, with the device pool's; the caller publishes."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the free queue, reference counts and hash map disagree."""

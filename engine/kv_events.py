@@ -1,9 +1,10 @@
 """KV events: the one definition of their types and wire codec (docs/internal-api.md).
 
-A worker's block pool records BlockStored / BlockRemoved / AllCleared events; the worker shell's
-publisher sends them after each step as ``[TOPIC, encode_events(...)]`` over ZMQ PUB, and the
-router's subscriber decodes them with ``decode_batch``. Pure: msgpack only, no torch, no sockets,
-so the router imports this module without pulling in the engine.
+A worker's block pool records BlockStored / BlockRemoved / AllCleared events (and its host KV tier
+the same for host blocks, ``tier`` HOST); the worker shell's publisher sends them after each step as
+``[TOPIC, encode_events(...)]`` over ZMQ PUB, and the router's subscriber decodes them with
+``decode_batch``. Pure: msgpack only, no torch, no sockets, so the router imports this module
+without pulling in the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class KVEventKind(IntEnum):
     CLEARED = 2
 
 
+class BlockTier(IntEnum):
+    """Where a worker holds a cached block: its device pool, or its host KV tier."""
+
+    DEVICE = 0
+    HOST = 1
+
+
 # Wire names of the event kinds.
 EVENT_NAMES = {
     KVEventKind.STORED: "stored",
@@ -36,14 +44,19 @@ EVENT_NAMES = {
     KVEventKind.CLEARED: "cleared",
 }
 _KINDS = {name: kind for kind, name in EVENT_NAMES.items()}
+# Wire names of the tiers. DEVICE is never written (an event without a tier is a device event, as
+# from a worker that predates the host tier), so device events are byte-identical to version 1's.
+TIER_NAMES = {BlockTier.DEVICE: "device", BlockTier.HOST: "host"}
+_TIERS = {name: tier for tier, name in TIER_NAMES.items()}
 
 
 @dataclass(slots=True, frozen=True)
 class KVEvent:
-    """A change to the set of cached block hashes."""
+    """A change to one tier's set of cached block hashes (CLEARED: that tier's whole set)."""
 
     kind: KVEventKind
     block_hashes: tuple[BlockHash, ...] = ()
+    tier: BlockTier = BlockTier.DEVICE
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,7 +77,10 @@ def encode_events(engine_id: str, seq: int, events: list[KVEvent]) -> bytes:
     body = []
     for e in events:
         name = EVENT_NAMES[e.kind]
-        body.append([name] if e.kind == KVEventKind.CLEARED else [name, list(e.block_hashes)])
+        item: list[Any] = [name] if e.kind == KVEventKind.CLEARED else [name, list(e.block_hashes)]
+        if e.tier is not BlockTier.DEVICE:
+            item.append(TIER_NAMES[e.tier])
+        body.append(item)
     return msgpack.packb({"v": VERSION, "engine_id": engine_id, "seq": seq, "events": body})
 
 
@@ -91,13 +107,21 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 
 def _decode_event(raw: Any) -> KVEvent:
-    if not isinstance(raw, list) or not raw or raw[0] not in _KINDS:
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str) or raw[0] not in _KINDS:
         raise MalformedEvent(f"unknown event {raw!r:.80}")
     kind = _KINDS[raw[0]]
+    fields = 1 if kind is KVEventKind.CLEARED else 2
+    if len(raw) not in (fields, fields + 1):
+        raise MalformedEvent(f"{raw[0]} event has {len(raw) - 1} fields")
+    tier = BlockTier.DEVICE
+    if len(raw) == fields + 1:
+        if not isinstance(raw[fields], str) or raw[fields] not in _TIERS:
+            raise MalformedEvent(f"unknown tier {raw[fields]!r:.40}")
+        tier = _TIERS[raw[fields]]
     if kind is KVEventKind.CLEARED:
-        return KVEvent(kind)
-    if len(raw) != 2 or not isinstance(raw[1], list):
+        return KVEvent(kind, (), tier)
+    if not isinstance(raw[1], list):
         raise MalformedEvent(f"{raw[0]} event needs a list of hashes")
     if not all(isinstance(h, bytes) for h in raw[1]):
         raise MalformedEvent(f"{raw[0]} hashes must be bytes")
-    return KVEvent(kind, tuple(raw[1]))
+    return KVEvent(kind, tuple(raw[1]), tier)

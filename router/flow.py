@@ -117,15 +117,17 @@ class FlowContext:
                 if w.info.hash_algorithm == HASH_ALGORITHM
                 else []
             )
+            hit = self.index.tiered_overlap(w.info.engine_id, hashes)
             out.append(
                 Candidate(
                     engine_id=w.info.engine_id,
-                    overlap_blocks=self.index.overlap(w.info.engine_id, hashes),
+                    overlap_blocks=hit.device,
                     request_blocks=len(hashes),
                     running=w.running,
                     waiting=w.waiting,
                     kv_usage=w.kv_usage,
                     inflight=w.inflight,
+                    host_overlap_blocks=hit.host,
                 )
             )
         return out
@@ -146,7 +148,7 @@ class FlowContext:
 
     def expect_new_blocks(self, worker: WorkerState, choice: Choice, job: ChoiceJob) -> None:
         hashes = job.block_hashes(worker.info.block_size)
-        if len(hashes) > choice.overlap_blocks:
+        if len(hashes) > choice.overlap_blocks:  # host hits load back: device events follow
             self.index.mark_expecting(worker.info.engine_id)
 
 
@@ -285,7 +287,7 @@ async def _prefill_for(
     prefill_pool = [w for w in registered if w.info.fingerprint == d.info.fingerprint]
     decision = decide_prefill(
         prompt_tokens=len(job.prompt_token_ids),
-        decode_cached_tokens=d_choice.overlap_blocks * d.info.block_size,
+        decode_cached_tokens=d_choice.cached_blocks * d.info.block_size,
         threshold_tokens=ctx.config.local_prefill_threshold,
         decode_is_colocated=d.info.role is Role.COLOCATED,
         prefill_available=bool(prefill_pool),

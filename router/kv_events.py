@@ -83,10 +83,12 @@ class KvEventSubscriber:
         """Load a snapshot, retrying with backoff until it is consistent or the task is stopped."""
         while True:
             try:
-                snap_id, seq, hashes = await self._client.kv_blocks(worker_url)
-                if self._index.load_snapshot(engine_id, snap_id, seq, hashes):
+                snap = await self._client.kv_blocks(worker_url)
+                if self._index.load_snapshot(
+                    engine_id, snap.engine_id, snap.seq, snap.block_hashes, snap.host_block_hashes
+                ):
                     return
-                log.warning("kv snapshot of %s came from engine %s", engine_id, snap_id)
+                log.warning("kv snapshot of %s came from engine %s", engine_id, snap.engine_id)
             except WorkerUnavailable as exc:
                 log.warning("kv resync of %s failed: %s", engine_id, exc)
             await asyncio.sleep(self._backoff)

@@ -6,8 +6,18 @@ precise prefix-cache scorer: reward the fraction of the prompt's blocks a worker
 penalize its load. Ties rotate (round-robin among the best) so equal workers share traffic.
 
     load  = kv_usage + (max(running + waiting, inflight) + waiting) / load_scale
-    score = prefix_weight * overlap_blocks / min(request_blocks, prefix_unit_blocks)
+    hit   = overlap_blocks + host_hit_weight * host_overlap_blocks
+    score = prefix_weight * hit / min(request_blocks, prefix_unit_blocks)
             - load_weight * load
+
+``overlap_blocks`` are the leading prompt blocks the worker holds in its device pool,
+``host_overlap_blocks`` those its host KV tier continues with (``PrefixIndex.tiered_overlap``). A
+host hit is worth ``host_hit_weight`` (0.5) of a device hit: it saves the prefill's compute, but
+the blocks must first be copied back (and may be evicted from host memory sooner), so at equal
+load a device hit beats a host hit of the same length, which beats a miss. The weight is below 1
+so a worker holding a prefix on its device is preferred to one that must load it; it is well
+above 0 because on every machine measured a host load costs a small fraction of recomputing
+(benchmarks/kv_tier.py).
 
 ``inflight`` is the router's own count of requests it has sent there; it covers the up-to-a-second
 lag of heartbeats. Waiting requests count twice: they still need their prefill.
@@ -53,6 +63,7 @@ class Candidate:
     waiting: int
     kv_usage: float
     inflight: int
+    host_overlap_blocks: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,10 +72,13 @@ class Weights:
     load_weight: float = 1.0
     load_scale: float = 4.0
     prefix_unit_blocks: int = 16
+    host_hit_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.prefix_unit_blocks < 1:
             raise ValueError(f"prefix_unit_blocks must be >= 1, got {self.prefix_unit_blocks}")
+        if not 0.0 <= self.host_hit_weight <= 1.0:
+            raise ValueError(f"host_hit_weight must be in [0, 1], got {self.host_hit_weight}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +86,12 @@ class Choice:
     engine_id: str
     overlap_blocks: int
     reason: str  # label of tandem_router_placements_total
+    host_overlap_blocks: int = 0
+
+    @property
+    def cached_blocks(self) -> int:
+        """Prompt blocks the chosen worker need not compute (device and host hits)."""
+        return self.overlap_blocks + self.host_overlap_blocks
 
 
 class PrefillMode(IntEnum):
@@ -92,7 +112,8 @@ def load_of(c: Candidate, weights: Weights) -> float:
 
 def score_of(c: Candidate, weights: Weights) -> float:
     unit = min(c.request_blocks, weights.prefix_unit_blocks)
-    ratio = c.overlap_blocks / unit if unit > 0 else 0.0
+    hit = c.overlap_blocks + weights.host_hit_weight * c.host_overlap_blocks
+    ratio = hit / unit if unit > 0 else 0.0
     return weights.prefix_weight * ratio - weights.load_weight * load_of(c, weights)
 
 
@@ -112,7 +133,7 @@ class Placer:
         self._counters[pool] = turn + 1
         if self.policy is Policy.ROUND_ROBIN:
             c = candidates[turn % len(candidates)]
-            return Choice(c.engine_id, c.overlap_blocks, "round_robin")
+            return Choice(c.engine_id, c.overlap_blocks, "round_robin", c.host_overlap_blocks)
         if self.policy is Policy.LEAST_LOAD:
             keys = [-load_of(c, self.weights) for c in candidates]
         else:
@@ -122,9 +143,11 @@ class Placer:
         c = best[turn % len(best)]
         if self.policy is Policy.LEAST_LOAD:
             reason = "least_load"
+        elif c.overlap_blocks > 0:
+            reason = "prefix_hit"
         else:
-            reason = "prefix_hit" if c.overlap_blocks > 0 else "load"
-        return Choice(c.engine_id, c.overlap_blocks, reason)
+            reason = "host_hit" if c.host_overlap_blocks > 0 else "load"
+        return Choice(c.engine_id, c.overlap_blocks, reason, c.host_overlap_blocks)
 
 
 def decide_prefill(

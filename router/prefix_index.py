@@ -1,11 +1,14 @@
 """Per-worker index of cached block hashes, fed by KV events, truthful under event loss.
 
-The KV-event subscriber (``kv_events.py``) applies decoded batches here; placement asks ``overlap``.
-Each worker's entries are a bounded LRU (capacity = the worker's block count, so the index can never
-claim more than the worker holds). A sequence gap, a foreign engine id or an AllCleared drops the
-worker's entries; gaps and foreign ids also mark it unsynced until ``load_snapshot`` (the resync
-from ``/v1/internal/kv_blocks``). An unsynced worker, or one whose events have gone quiet while the
-router expected some, reports zero overlap, so it is scored by load alone.
+The KV-event subscriber (``kv_events.py``) applies decoded batches here; placement asks
+``tiered_overlap``. Each worker has two bounded LRUs, one per tier (``BlockTier``): the blocks in
+its device pool (capacity = the worker's block count, so the index can never claim more than the
+worker holds) and those in its host KV tier (capacity = the router's per-worker bound). Events
+without a tier are device events (a worker without a host tier sends only those). A sequence gap, a
+foreign engine id or an AllCleared drops the worker's entries; gaps and foreign ids also mark it
+unsynced until ``load_snapshot`` (the resync from ``/v1/internal/kv_blocks``). An unsynced worker,
+or one whose events have gone quiet while the router expected some, reports zero overlap, so it is
+scored by load alone.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from tandem.engine.hashing import BlockHash
-from tandem.engine.kv_events import KVEventBatch, KVEventKind
+from tandem.engine.kv_events import BlockTier, KVEventBatch, KVEventKind
 
 
 class ApplyResult(IntEnum):
@@ -29,9 +32,25 @@ class ApplyResult(IntEnum):
 class _WorkerEntries:
     engine_id: str
     capacity: int
-    hashes: OrderedDict[BlockHash, None]
+    hashes: OrderedDict[BlockHash, None]  # the device tier
+    host_capacity: int
+    host: OrderedDict[BlockHash, None]
     next_seq: int | None = None  # None: unsynced, overlap is not trusted
     expecting_since: float | None = None  # router sent work that should produce events
+
+    def tier(self, tier: BlockTier) -> tuple[OrderedDict[BlockHash, None], int]:
+        if tier is BlockTier.HOST:
+            return self.host, self.host_capacity
+        return self.hashes, self.capacity
+
+
+@dataclass(slots=True, frozen=True)
+class TieredOverlap:
+    """A worker's match of a request: ``device`` leading blocks in its device pool, then ``host``
+    more in its host tier (the engine matches exactly so: device first, the host continues)."""
+
+    device: int = 0
+    host: int = 0
 
 
 class PrefixIndex:
@@ -42,9 +61,13 @@ class PrefixIndex:
         self._stale_after = events_stale_after_s
         self._workers: dict[str, _WorkerEntries] = {}
 
-    def add_worker(self, engine_id: str, capacity: int) -> None:
-        """Track a worker, unsynced until its first snapshot."""
-        self._workers[engine_id] = _WorkerEntries(engine_id, max(1, capacity), OrderedDict())
+    def add_worker(self, engine_id: str, capacity: int, host_capacity: int | None = None) -> None:
+        """Track a worker, unsynced until its first snapshot; ``host_capacity`` bounds its host
+        tier's entries (default: ``capacity``)."""
+        host_capacity = capacity if host_capacity is None else host_capacity
+        self._workers[engine_id] = _WorkerEntries(
+            engine_id, max(1, capacity), OrderedDict(), max(1, host_capacity), OrderedDict()
+        )
 
     def remove_worker(self, engine_id: str) -> None:
         self._workers.pop(engine_id, None)
@@ -67,21 +90,27 @@ class PrefixIndex:
         w.next_seq = batch.seq + 1
         w.expecting_since = None
         for event in batch.events:
+            held, capacity = w.tier(event.tier)
             if event.kind is KVEventKind.STORED:
                 for h in event.block_hashes:
-                    w.hashes[h] = None
-                    w.hashes.move_to_end(h)
-                while len(w.hashes) > w.capacity:
-                    w.hashes.popitem(last=False)
+                    held[h] = None
+                    held.move_to_end(h)
+                while len(held) > capacity:
+                    held.popitem(last=False)
             elif event.kind is KVEventKind.REMOVED:
                 for h in event.block_hashes:
-                    w.hashes.pop(h, None)
+                    held.pop(h, None)
             else:
-                w.hashes.clear()
+                held.clear()
         return ApplyResult.APPLIED
 
     def load_snapshot(
-        self, engine_id: str, snapshot_engine_id: str, seq: int, hashes: Iterable[BlockHash]
+        self,
+        engine_id: str,
+        snapshot_engine_id: str,
+        seq: int,
+        hashes: Iterable[BlockHash],
+        host_hashes: Iterable[BlockHash] = (),
     ) -> bool:
         """Replace a worker's entries with a snapshot; ``seq`` is the sequence number of the next
         message the worker will publish (the snapshot includes every message before it).
@@ -97,6 +126,9 @@ class PrefixIndex:
         w.hashes = OrderedDict((h, None) for h in hashes)
         while len(w.hashes) > w.capacity:
             w.hashes.popitem(last=False)
+        w.host = OrderedDict((h, None) for h in host_hashes)
+        while len(w.host) > w.host_capacity:
+            w.host.popitem(last=False)
         w.next_seq = seq
         w.expecting_since = None
         return True
@@ -121,16 +153,19 @@ class PrefixIndex:
         return w is not None and w.next_seq is not None
 
     def overlap(self, engine_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        """Number of leading request blocks the worker holds; 0 when its entries are not trusted."""
+        """Number of leading request blocks the worker holds on its device; 0 when its entries
+        are not trusted."""
+        return self.tiered_overlap(engine_id, block_hashes).device
+
+    def tiered_overlap(self, engine_id: str, block_hashes: Sequence[BlockHash]) -> TieredOverlap:
+        """The leading request blocks the worker holds on its device, then those its host tier
+        continues with; nothing when its entries are not trusted."""
         if not self.is_trusted(engine_id):
-            return 0
-        held = self._workers[engine_id].hashes
-        n = 0
-        for h in block_hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+            return TieredOverlap()
+        w = self._workers[engine_id]
+        device = _run(w.hashes, block_hashes, 0)
+        host = _run(w.host, block_hashes, device)
+        return TieredOverlap(device, host - device)
 
     def invalidate(self, engine_id: str) -> None:
         """Forget a worker's entries until the next snapshot (e.g. after a malformed message)."""
@@ -138,11 +173,20 @@ class PrefixIndex:
         if w is not None:
             self._desync(w)
 
-    def size(self, engine_id: str) -> int:
+    def size(self, engine_id: str, tier: BlockTier = BlockTier.DEVICE) -> int:
         w = self._workers.get(engine_id)
-        return len(w.hashes) if w is not None else 0
+        return len(w.tier(tier)[0]) if w is not None else 0
 
     def _desync(self, w: _WorkerEntries) -> None:
         w.hashes.clear()
+        w.host.clear()
         w.next_seq = None
         w.expecting_since = None
+
+
+def _run(held: OrderedDict[BlockHash, None], block_hashes: Sequence[BlockHash], start: int) -> int:
+    """The end of the run of ``block_hashes[start:]`` all in ``held``."""
+    n = start
+    while n < len(block_hashes) and block_hashes[n] in held:
+        n += 1
+    return n

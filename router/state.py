@@ -149,7 +149,8 @@ class RouterState:
             self._forget(old)
         if info.kv_events_endpoint and not self.index.is_synced(info.engine_id):
             capacity = min(info.num_blocks, self.config.index_blocks_per_worker)
-            self.index.add_worker(info.engine_id, capacity)
+            # The router does not learn the host tier's size: its entries get the router's bound.
+            self.index.add_worker(info.engine_id, capacity, self.config.index_blocks_per_worker)
             self.subscriber.start(info.engine_id, info.kv_events_endpoint, info.url)
         self._update_gauges()
 

@@ -42,6 +42,16 @@ class Timeouts:
     control_s: float = 5.0  # abort, kv_blocks
 
 
+@dataclass(slots=True, frozen=True)
+class KVSnapshot:
+    """``/v1/internal/kv_blocks``: ``seq`` is the next event message the worker will publish."""
+
+    engine_id: str
+    seq: int
+    block_hashes: list[BlockHash]
+    host_block_hashes: list[BlockHash]
+
+
 _DONE = object()
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError)
 
@@ -166,8 +176,9 @@ class WorkerClient:
         except (*_NETWORK_ERRORS, ValueError, AttributeError):
             return False
 
-    async def kv_blocks(self, worker_url: str) -> tuple[str, int, list[BlockHash]]:
-        """The worker's cached-block snapshot (engine_id, seq, hashes); raises WorkerUnavailable."""
+    async def kv_blocks(self, worker_url: str) -> KVSnapshot:
+        """The worker's cached-block snapshot; raises WorkerUnavailable. A worker without a host
+        tier (or from before it) sends no ``host_block_hashes``."""
         try:
             async with self._session.get(
                 f"{worker_url}/v1/internal/kv_blocks", timeout=self._control, headers=self.headers()
@@ -175,9 +186,10 @@ class WorkerClient:
                 resp.raise_for_status()
                 body = await resp.json()
             hashes = [bytes.fromhex(h) for h in body["block_hashes"]]
+            host = [bytes.fromhex(h) for h in body.get("host_block_hashes", [])]
             engine_id, seq = body["engine_id"], body["seq"]
             if not isinstance(engine_id, str) or not isinstance(seq, int):
                 raise ValueError("engine_id must be a string and seq an integer")
-            return engine_id, seq, hashes
+            return KVSnapshot(engine_id, seq, hashes, host)
         except (*_NETWORK_ERRORS, ValueError, KeyError, TypeError) as exc:
             raise WorkerUnavailable(f"kv_blocks snapshot failed: {exc}") from exc

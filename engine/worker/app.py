@@ -169,6 +169,7 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
                 "engine_id": s.engine_id,
                 "seq": s.events.seq,
                 "block_hashes": [h.hex() for h in e.pool.cached_hashes()],
+                "host_block_hashes": [h.hex() for h in e.cached_host_hashes()],
             }
 
         return await asyncio.wrap_future(s.thread.call(snapshot))
