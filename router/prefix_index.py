@@ -4,8 +4,8 @@ The KV-event subscriber (``kv_events.py``) applies decoded batches here; placeme
 ``tiered_overlap``. Each worker has two bounded LRUs, one per tier (``BlockTier``): the blocks in
 its device pool (capacity = the worker's block count, so the index can never claim more than the
 worker holds) and those in its host KV tier (capacity = the router's per-worker bound). Events
-without a tier are device events (a worker without a host tier sends only those). A sequence gap, a
-foreign engine id or an AllCleared drops the worker's entries; gaps and foreign ids also mark it
+without a tier are device events (a worker without a host tier sends only those). An AllCleared
+drops that tier's entries. A sequence gap or a foreign engine id drops both and marks the worker
 unsynced until ``load_snapshot`` (the resync from ``/v1/internal/kv_blocks``). An unsynced worker,
 or one whose events have gone quiet while the router expected some, reports zero overlap, so it is
 scored by load alone.
