@@ -12,7 +12,7 @@ from tandem.engine.hooks import RoleHooks
 from tandem.engine.request import Request
 from tandem.engine.role import Role
 from tandem.engine.worker.protocol import GenerateRequest
-from tandem.engine.worker.role import RoleContext, refuse_role_fields
+from tandem.engine.worker.role import RoleContext, refuse_grant, refuse_role_fields
 from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
@@ -60,6 +60,9 @@ class DecodeRole:
         refuse_role_fields(req, self.role)
         if req.kv_transfer_params is not None:
             attach_remote_kv(engine, reqs, req.kv_transfer_params)
+
+    def grant(self, engine: Engine, request_id: str, token_ids: list[int]) -> dict[str, Any] | None:
+        refuse_grant()
 
     def info(self) -> dict[str, Any]:
         return {"kv_side_channel": None}

@@ -154,6 +154,22 @@ class Engine:
         self._requests[req.request_id] = req
         self.scheduler.add_request(req)
 
+    def pin_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """A peer asks for this worker's cached blocks of the prompt prefix ``token_ids`` (whole
+        blocks): the leading ones cached here are pinned under ``request_id`` (a pinned request,
+        as for a decode worker) until the role releases it; returns their block ids ([]: none
+        cached, nothing pinned). ValueError for an id in use or a prefix of partial blocks."""
+        bs = self.layout.block_size
+        if not token_ids or len(token_ids) % bs:
+            raise ValueError(f"the prefix must be a non-empty multiple of {bs} tokens")
+        if self._holds(request_id):
+            raise ValueError(f"request {request_id!r} is already in use here")
+        (req,) = self.make_requests(request_id, token_ids, SamplingParams(max_tokens=1))
+        req.remote_decode = True  # an abort tells the connector, as for a hand-off
+        if self.scheduler.pin_prefix(req) == 0:
+            return []
+        return list(req.block_ids)
+
     def _holds(self, request_id: str) -> bool:
         """A request of this id may still hold blocks here: tracked (running, waiting, loading
         or handing off), still loading after an abort, or pinned for a decode worker."""

@@ -72,8 +72,17 @@ class KVTransferParams:
     first_token_id: int
     lease_seconds: float
     transfer_secret: str = field(repr=False)
+    # A peer's prefix grant: the checksum (engine/kv_checksum.py) of each block's bytes, which
+    # the puller checks before using them; empty (and absent on the wire) for a hand-off.
+    block_checksums: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._base_dict()
+        if self.block_checksums:
+            out["block_checksums"] = list(self.block_checksums)
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "engine_id": self.engine_id,
             "side_channel": self.side_channel,
@@ -100,8 +109,9 @@ class KVTransferParams:
             "lease_seconds",
             "transfer_secret",
         }
-        if set(data) != expected:
-            missing, extra = expected - set(data), set(data) - expected
+        keys = set(data) - {"block_checksums"}
+        if keys != expected:
+            missing, extra = expected - keys, keys - expected
             raise ValueError(
                 f"kv_transfer_params keys: missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
@@ -121,6 +131,11 @@ class KVTransferParams:
         secret = data["transfer_secret"]
         if not isinstance(secret, str) or not _SECRET_RE.match(secret):
             raise ValueError("transfer_secret must be 64 lowercase hex characters")
+        sums = data.get("block_checksums", [])
+        if not isinstance(sums, list | tuple) or (sums and len(sums) != len(blocks)):
+            raise ValueError("block_checksums must be a list of one int per block")
+        for c in sums:
+            _check_int("block_checksums[]", c, -(2**63), 2**63 - 1)
         return cls(
             engine_id=_check_id("engine_id", data["engine_id"]),
             side_channel=side,
@@ -130,6 +145,7 @@ class KVTransferParams:
             first_token_id=_check_int("first_token_id", data["first_token_id"], 0, 2**31 - 1),
             lease_seconds=float(lease),
             transfer_secret=secret,
+            block_checksums=tuple(sums),
         )
 
 

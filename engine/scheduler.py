@@ -10,7 +10,9 @@ request fields the role sets (``tandem.prefill`` / ``tandem.decode`` own the pol
   (FINISHED_REMOTE_DECODE) and its blocks stay ``pinned`` until ``release_pinned``;
 - external KV: a request carrying ``kv_transfer_params`` is admitted with blocks for the prompt
   part the local prefix cache lacks, waits in ``loading`` while the role fills them (a
-  ``LoadSpec`` in the step's output), and runs once ``finish_load`` says they are whole.
+  ``LoadSpec`` in the step's output), and runs once ``finish_load`` says they are whole. The
+  params name the whole prompt (decode after a prefill worker) or a cached prefix of it held by
+  a peer (``pin_prefix`` there); after a prefix the request computes the rest here.
 
 With a host KV tier (``KVCacheManager.tier``) the core uses the same ``loading`` state itself:
 a prefix match that continues into the tier, or a swapped-out request resuming, waits there
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tandem.engine.block_pool import KVCacheBlock
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager, cdiv
 from tandem.engine.outputs import LoadSpec, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -141,8 +144,12 @@ class Scheduler:
     def _admit_remote(self, req: Request, out: SchedulerOutput) -> bool:
         """Allocate blocks for the prompt part the local prefix cache lacks and ask for a pull.
 
-        The request holds the prefill's first token as output 0, so num_tokens = prompt + 1 and
-        the prefix match can cover every full prompt block.
+        Two kinds of request carry ``kv_transfer_params``. A decode worker's holds the prefill's
+        first token as output 0, so num_tokens = prompt + 1 and the prefix match can cover every
+        full prompt block; the pull brings the whole prompt. A prefix pull from a peer
+        (``params.num_tokens`` whole blocks, short of the prompt) brings only those blocks; once
+        they are in, the request computes the rest of its prompt here. Either way the blocks of
+        the whole prompt are allocated at admission.
         """
         hits, num_hit = self.kv.get_computed_blocks(req)
         prompt_len = req.num_prompt_tokens
@@ -150,14 +157,14 @@ class Scheduler:
             return False
         first_missing = num_hit // self.kv.block_size
         remote = list(req.kv_transfer_params.block_ids)
-        num_prompt_blocks = cdiv(prompt_len, self.kv.block_size)
+        num_loaded_blocks = cdiv(req.kv_transfer_params.num_tokens, self.kv.block_size)
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
         self.kv.record_prefix_query(req.num_tokens, num_hit)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[req.request_id] = req
         out.loads.append(
-            LoadSpec(req, remote[first_missing:], req.block_ids[first_missing:num_prompt_blocks])
+            LoadSpec(req, remote[first_missing:], req.block_ids[first_missing:num_loaded_blocks])
         )
         return True
 
@@ -176,7 +183,10 @@ class Scheduler:
             self.kv.free(req)
             return req
         if ok:
-            req.num_computed_tokens = req.num_prompt_tokens
+            assert req.kv_transfer_params is not None
+            # The whole prompt (decode), or a prefix the local cache may already have passed.
+            loaded = req.kv_transfer_params.num_tokens
+            req.num_computed_tokens = max(loaded, req.num_computed_tokens)
             self.kv.cache_blocks(req, req.num_computed_tokens)
             # The KV is local now: a later preemption recomputes it here, never pulls again
             # from a prefill that has released it.
@@ -325,6 +335,24 @@ class Scheduler:
             if self._leaders.get(req.group_id) is req:
                 del self._leaders[req.group_id]
         return done
+
+    def pin_prefix(self, req: Request) -> int:
+        """A peer pulls this worker's cached prefix of ``req``'s prompt (whole blocks): pin the
+        leading blocks cached here, like a handed-off request's, until ``release_pinned``.
+        Returns the number of blocks pinned (0: nothing cached, nothing changes)."""
+        hits: list[KVCacheBlock] = []
+        for block_hash in req.block_hashes:
+            block = self.kv.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit = len(hits) * self.kv.block_size
+        if not hits or not self.kv.allocate_slots(req, 0, hits, num_hit):
+            return 0
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.FINISHED_REMOTE_DECODE
+        self.pinned[req.request_id] = req
+        return len(hits)
 
     def release_pinned(self, request_id: str) -> bool:
         """Prefill role: the decode worker has its copy (or gave up); free the pinned blocks."""

@@ -10,7 +10,7 @@ from tandem.engine.hooks import RoleHooks
 from tandem.engine.request import Request
 from tandem.engine.role import Role
 from tandem.engine.worker.protocol import GenerateRequest
-from tandem.engine.worker.role import RoleContext, refuse_role_fields
+from tandem.engine.worker.role import RoleContext, refuse_grant, refuse_role_fields
 from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
@@ -57,6 +57,9 @@ class PrefillRole:
         refuse_role_fields(req, self.role)
         if req.remote_decode:
             mark_remote_decode(reqs)
+
+    def grant(self, engine: Engine, request_id: str, token_ids: list[int]) -> dict[str, Any] | None:
+        refuse_grant()
 
     def info(self) -> dict[str, Any]:
         side = self.connector.side_channel_address if self.connector is not None else None

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return decode_main(rest)
     if cmd == "colocated":
-        from tandem.engine.worker.colocated import main as colocated_main
+        from tandem.decode.colocated import main as colocated_main
 
         return colocated_main(rest)
     if cmd == "drain":

@@ -42,6 +42,7 @@ from tandem.engine.worker.protocol import (
     QueueFull,
     encode_chunk,
     parse_generate_request,
+    parse_grant_request,
 )
 from tandem.engine.worker.role import WorkerRole
 from tandem.engine.worker.router_set import RouterSet
@@ -202,6 +203,30 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             return _error(400, "request_id must be a string", "request_id")
         done = await asyncio.wrap_future(s.thread.call(lambda e: e.abort([rid])))
         return JSONResponse({"aborted": bool(done)})
+
+    @app.post("/v1/internal/kv_grant")
+    async def kv_grant(request: Request) -> Response:
+        """A peer's prefix pull (decode/peer.py): pin and publish this worker's cached blocks of
+        the prefix; 404 ``no_prefix`` when none is cached, 400 when the role serves none."""
+        s = svc(request)
+        if s.draining or not s.thread.alive:
+            return _unavailable("worker is draining" if s.thread.alive else "engine not running")
+        try:
+            rid, token_ids = parse_grant_request(
+                await _json_body(request, MAX_INTERNAL_REQUEST_BYTES)
+            )
+            grant = await asyncio.wrap_future(
+                s.thread.call(lambda e: s.role.grant(e, rid, token_ids))
+            )
+        except _BodyError as exc:
+            return exc.response
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.param)
+        except RuntimeError as exc:
+            return _unavailable(str(exc), "engine_dead")
+        if grant is None:
+            return _error(404, "no block of this prefix is cached here", None, "no_prefix")
+        return JSONResponse({"kv_transfer_params": grant})
 
     @app.get("/v1/internal/integrity")
     async def integrity(request: Request) -> Response:

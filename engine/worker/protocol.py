@@ -29,6 +29,7 @@ _KEYS = {
     "remote_decode",
     "priority",
     "resume_token_ids",
+    "kv_prefix_params",
 }
 
 
@@ -42,6 +43,8 @@ class GenerateRequest:
     priority: int
     # Tokens generated (and delivered) elsewhere: outputs 0..k-1 here (a migrated stream).
     resume_token_ids: list[int] = field(default_factory=list)
+    # A peer's grant of its cached prefix of the prompt (decode/peer.py): pull, then compute on.
+    kv_prefix_params: dict[str, Any] | None = None
 
 
 class BadRequest(ValueError):
@@ -113,7 +116,36 @@ def parse_generate_request(body: Any) -> GenerateRequest:
         raise BadRequest("a request cannot both carry and produce kv_transfer_params")
     if (kv is not None or remote_decode) and params.n != 1:
         raise BadRequest("disaggregated requests take n = 1; the router fans out", "n")
-    return GenerateRequest(rid, ids, params, kv, remote_decode, priority, resume)
+    prefix = body.get("kv_prefix_params")
+    if prefix is not None and not isinstance(prefix, dict):
+        raise BadRequest("kv_prefix_params must be an object or null", "kv_prefix_params")
+    if prefix is not None and (kv is not None or remote_decode or resume or params.n != 1):
+        raise BadRequest(
+            "kv_prefix_params takes n = 1, no kv_transfer_params, remote_decode or "
+            "resume_token_ids",
+            "kv_prefix_params",
+        )
+    return GenerateRequest(rid, ids, params, kv, remote_decode, priority, resume, prefix)
+
+
+def parse_grant_request(body: Any) -> tuple[str, list[int]]:
+    """``POST /v1/internal/kv_grant``: ``{"request_id", "prompt_token_ids"}`` (a prefix)."""
+    if not isinstance(body, dict) or set(body) != {"request_id", "prompt_token_ids"}:
+        raise BadRequest("kv_grant takes exactly request_id and prompt_token_ids")
+    rid, ids = body["request_id"], body["prompt_token_ids"]
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
+        raise BadRequest("request_id must be a non-empty string", "request_id")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or len(ids) > MAX_PROMPT_TOKENS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise BadRequest(
+            "prompt_token_ids must be a non-empty list of non-negative integers",
+            "prompt_token_ids",
+        )
+    return rid, ids
 
 
 def _check_limits(raw: object) -> None:

@@ -9,7 +9,7 @@ the engine thread, ``info`` at every registration, ``close`` once at shutdown.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -51,6 +51,13 @@ class WorkerRole(Protocol):
         BadRequest (nothing changes) if this role cannot take them."""
         ...
 
+    def grant(self, engine: Engine, request_id: str, token_ids: list[int]) -> dict[str, Any] | None:
+        """Engine thread: a peer's pull of this worker's cached prefix ``token_ids`` (whole
+        blocks): pin and publish its cached leading blocks, returning the grant
+        (``KVTransferParams`` wire form) or None when none is cached. BadRequest when this role
+        serves no prefix pulls (``refuse_grant``)."""
+        ...
+
     def info(self) -> dict[str, Any]:
         """Role-specific registration fields (``kv_side_channel``)."""
         ...
@@ -58,8 +65,11 @@ class WorkerRole(Protocol):
     def close(self) -> None: ...
 
 
-def refuse_role_fields(req: GenerateRequest, role: Role) -> None:
-    """BadRequest for the role fields a worker of ``role`` cannot honour."""
+def refuse_role_fields(req: GenerateRequest, role: Role, peer: bool = False) -> None:
+    """BadRequest for the role fields a worker of ``role`` cannot honour (``peer``: it pulls
+    prefixes from peers, ``decode/peer.py``)."""
+    if req.kv_prefix_params is not None and not peer:
+        raise BadRequest("this worker does not pull prefixes from peers", "kv_prefix_params")
     if req.kv_transfer_params is not None and role != Role.DECODE:
         raise BadRequest(f"this worker does not receive KV ({role.label})", "kv_transfer_params")
     if req.remote_decode and role != Role.PREFILL:
@@ -77,8 +87,16 @@ class ColocatedRole:
     def intake(self, engine: Engine, reqs: list[Request], req: GenerateRequest) -> None:
         refuse_role_fields(req, self.role)
 
+    def grant(self, engine: Engine, request_id: str, token_ids: list[int]) -> dict[str, Any] | None:
+        refuse_grant()
+
     def info(self) -> dict[str, Any]:
         return {"kv_side_channel": None}
 
     def close(self) -> None:
         return None
+
+
+def refuse_grant() -> NoReturn:
+    """The ``grant`` of a role that serves no prefix pulls."""
+    raise BadRequest("this worker serves no prefix pulls (tandem colocated --kv-peer-pull does)")
