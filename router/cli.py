@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode prefills locally when every prefill worker has at least this many requests "
         "queued or in flight (0: never)",
     )  # fmt: skip
+    p.add_argument(
+        "--peer-pull-min-tokens", type=int, default=0, metavar="TOKENS",
+        help="a colocated worker pulls a prompt's prefix from a peer (both started with "
+        "--kv-peer-pull) that holds at least this many more of its tokens, instead of "
+        "recomputing them (0: never; docs/operations.md)",
+    )  # fmt: skip
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="required bearer key (or TANDEM_API_KEY)")
     keys.add_argument("--api-key-file", default=None, help="file with one accepted key per line")
@@ -127,6 +133,9 @@ def main(argv: list[str]) -> int:
     if args.prefill_overload_queue < 0:
         print("--prefill-overload-queue must be >= 0", file=sys.stderr)
         return 2
+    if args.peer_pull_min_tokens < 0:
+        print("--peer-pull-min-tokens must be >= 0", file=sys.stderr)
+        return 2
     problem = admission_errors(args)
     if problem is not None:
         print(problem, file=sys.stderr)
@@ -167,6 +176,7 @@ def main(argv: list[str]) -> int:
         policy=Policy.parse(args.policy),
         local_prefill_threshold=args.local_prefill_threshold,
         prefill_overload_queue=args.prefill_overload_queue,
+        peer_pull_min_tokens=args.peer_pull_min_tokens,
         api_keys=keys,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_inflight_requests=args.max_inflight_requests,

@@ -47,6 +47,7 @@ from tandem.engine.role import Role
 from tandem.router.choice_output import ChoiceOutput, TokenEvent, text_options
 from tandem.router.errors import OpenAIError, no_workers
 from tandem.router.metrics import RouterMetrics
+from tandem.router.peer_pull import peer_grant
 from tandem.router.placement import Candidate, Choice, Placer, PrefillMode, decide_prefill
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.registry import WorkerRegistry, WorkerState
@@ -67,6 +68,9 @@ class FlowConfig:
     migration_limit: int = 1  # moves of a stream that has output to another worker (0: never)
     poll_s: float = 0.25  # how often a silent stream re-checks that its worker is registered
     read_timeout_s: float = 300.0
+    # Pull a prompt's prefix from a peer holding at least this many more tokens of it than the
+    # chosen worker (peer_pull.py); 0: never.
+    peer_pull_min_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -233,14 +237,22 @@ async def _run_choice(ctx: FlowContext, job: ChoiceJob, emit: Callable[[TokenEve
                 if outcome is _FINISHED:
                     return
                 handoff = outcome if isinstance(outcome, _Handoff) else None
+            grant = None
             if handoff is None:
                 ctx.expect_new_blocks(d, d_choice, job)
+                if not resume:
+                    grant = await peer_grant(ctx, job, d, d_choice, f"g{attempt}")
             before = choice.num_tokens
             try:
                 kv = handoff.params if handoff is not None else None
-                await _decode(ctx, d, choice, generate_body(job, f"d{attempt}", kv, False, resume))
+                body = generate_body(job, f"d{attempt}", kv, False, resume)
+                if grant is not None:
+                    body["kv_prefix_params"] = grant.params
+                await _decode(ctx, d, choice, body)
                 return
             except WorkerUnavailable as exc:
+                if grant is not None:  # the source's blocks go now, not at lease expiry
+                    ctx.abort_soon(grant.source_url, grant.grant_id)
                 excluded.add(d.info.engine_id)
                 last_error = exc
                 attempt += 1

@@ -181,3 +181,36 @@ def decide_prefill(
     if threshold_tokens > 0 and uncached < threshold_tokens:
         return PrefillDecision(PrefillMode.LOCAL, "local_below_threshold")
     return PrefillDecision(PrefillMode.REMOTE, "remote")
+
+
+@dataclass(slots=True, frozen=True)
+class PeerSource:
+    """A worker that could serve a prefix pull: ``blocks`` leading prompt blocks on its device."""
+
+    engine_id: str
+    blocks: int
+
+
+def choose_pull_source(
+    *,
+    chosen_cached_blocks: int,
+    sources: Sequence[PeerSource],
+    usable_blocks: int,
+    block_size: int,
+    min_tokens: int,
+) -> PeerSource | None:
+    """Prefix pull from a peer: the source whose device holds the longest prefix of the prompt,
+    if that is at least ``min_tokens`` more than the chosen worker already caches (device and
+    host). ``usable_blocks`` is the most a pull may bring, (prompt - 1) // block_size: one
+    token is always computed. ``min_tokens`` 0 turns pulls off. Ties go to the first source
+    (callers pass a stable order). The source's blocks are capped at ``usable_blocks``."""
+    if min_tokens <= 0:
+        return None
+    best: PeerSource | None = None
+    for s in sources:
+        blocks = min(s.blocks, usable_blocks)
+        if best is None or blocks > best.blocks:
+            best = PeerSource(s.engine_id, blocks)
+    if best is None or (best.blocks - chosen_cached_blocks) * block_size < min_tokens:
+        return None
+    return best

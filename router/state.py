@@ -50,6 +50,7 @@ class RouterConfig:
     policy: Policy = Policy.PREFIX_AWARE
     local_prefill_threshold: int = 0
     prefill_overload_queue: int = 0
+    peer_pull_min_tokens: int = 0  # --peer-pull-min-tokens (router/peer_pull.py); 0: off
     api_keys: tuple[str, ...] = ()
     heartbeat_timeout_s: float = 3.0
     expiry_interval_s: float = 0.5
@@ -116,6 +117,7 @@ class RouterState:
             config=FlowConfig(
                 local_prefill_threshold=config.local_prefill_threshold,
                 prefill_overload_queue=config.prefill_overload_queue,
+                peer_pull_min_tokens=config.peer_pull_min_tokens,
                 poll_s=config.poll_s,
                 read_timeout_s=config.timeouts.read_s,
                 migration_limit=config.migration_limit,

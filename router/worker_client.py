@@ -40,6 +40,7 @@ class Timeouts:
     connect_s: float = 5.0
     read_s: float = 300.0  # longest silence inside a generate stream (long prefills)
     control_s: float = 5.0  # abort, kv_blocks
+    grant_s: float = 1.0  # a peer's prefix grant: past this the request recomputes instead
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,6 +176,26 @@ class WorkerClient:
                 return resp.status == 200 and bool((await resp.json()).get("aborted"))
         except (*_NETWORK_ERRORS, ValueError, AttributeError):
             return False
+
+    async def grant(self, worker_url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A peer's prefix grant (``/v1/internal/kv_grant``): its ``kv_transfer_params``, or
+        None when it caches none of the prefix (404); WorkerUnavailable / WorkerRejected else."""
+        try:
+            async with self._session.post(
+                f"{worker_url}/v1/internal/kv_grant", json=body, headers=self.headers(),
+                timeout=aiohttp.ClientTimeout(total=self.timeouts.grant_s),
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                if resp.status == 404:
+                    return None
+                if resp.status != 200:
+                    raise _http_error(resp.status, raw)
+            params = json.loads(raw)["kv_transfer_params"]
+            if not isinstance(params, dict):
+                raise ValueError("kv_transfer_params must be an object")
+            return params
+        except (*_NETWORK_ERRORS, ValueError, KeyError, TypeError) as exc:
+            raise WorkerUnavailable(f"kv_grant failed: {exc}") from exc
 
     async def kv_blocks(self, worker_url: str) -> KVSnapshot:
         """The worker's cached-block snapshot; raises WorkerUnavailable. A worker without a host

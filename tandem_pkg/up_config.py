@@ -49,7 +49,14 @@ class UpConfig:
     queue_timeout: float | None = None
     request_timeout: float | None = None
     migration_limit: int | None = None
+    # Prefix pulls between colocated workers (--peer-pull-min-tokens; 0: off). parse_config
+    # turns them on only where they can pay: several real colocated workers.
+    peer_pull_min_tokens: int = 0
 
+
+# tandem up's --peer-pull-min-tokens with --prefill 0 and several workers: the prefix length
+# past which a pull beat recomputing it in benchmarks/peer_pull.py (docs/benchmarks.md).
+DEFAULT_PEER_PULL_MIN_TOKENS = 256
 
 _ROUTER_PASSTHROUGH = (
     ("max_inflight_requests", "--max-inflight-requests"),
@@ -133,6 +140,7 @@ def build_specs(
             "--internal-port", str(internal_port),
             "--policy", cfg.policy, "--local-prefill-threshold", str(cfg.local_prefill_threshold),
             "--prefill-overload-queue", str(cfg.prefill_overload_queue),
+            "--peer-pull-min-tokens", str(cfg.peer_pull_min_tokens),
         )  # fmt: skip
         for attr, flag in _ROUTER_PASSTHROUGH:
             value = getattr(cfg, attr)
@@ -159,6 +167,8 @@ def build_specs(
             argv += ("--engine-option", opt)
         if cfg.simulate is not None:
             argv += ("--simulate", cfg.simulate)
+        if role == "colocated" and cfg.peer_pull_min_tokens > 0:
+            argv += ("--kv-peer-pull",)
         specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
     return specs
 
@@ -206,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-overload-queue", type=int, default=0, metavar="REQUESTS",
                    help="prefill on decode when every prefill worker has this many queued "
                    "(0: never)")  # fmt: skip
+    p.add_argument("--peer-pull-min-tokens", type=int, default=None, metavar="TOKENS",
+                   help="colocated workers pull a prompt's prefix from a peer holding this many "
+                   f"more of its tokens (0: never; default {DEFAULT_PEER_PULL_MIN_TOKENS} with "
+                   "--prefill 0 and several workers, else 0)")  # fmt: skip
     p.add_argument("--policy", choices=("prefix-aware", "least-load", "round-robin"),
                    default="prefix-aware")  # fmt: skip
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
@@ -265,7 +279,19 @@ def parse_config(argv: list[str]) -> UpConfig:
     if a.kv_transport is not None:
         require(a.kv_transport, "tandem up")
     transport, note = pick(a.kv_transport)
+    peers = a.prefill == 0 and a.decode > 1 and simulate is None
+    pull = a.peer_pull_min_tokens
+    if pull is None:
+        pull = DEFAULT_PEER_PULL_MIN_TOKENS if peers else 0
+    elif pull < 0:
+        raise SystemExit("tandem up: --peer-pull-min-tokens must be >= 0")
+    elif pull > 0 and not peers:
+        raise SystemExit(
+            "tandem up: --peer-pull-min-tokens needs --prefill 0, --decode 2 or more and no "
+            "--simulate (prefix pulls are between real colocated workers)"
+        )
     return UpConfig(
+        peer_pull_min_tokens=pull,
         model=model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         kv_transport=transport, api_key=a.api_key, routers=a.routers,
         notes=(note,) if note else (),

@@ -43,7 +43,9 @@ class Proc:
         log_dir: Path,
         name: str,
         env: dict[str, str | None] | None = None,
+        script: Path | None = None,
     ) -> None:
+        """``script``: run this file (a test double wrapping ``tandem.cli``) instead."""
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         merged = {
@@ -56,7 +58,7 @@ class Proc:
         # ``env`` may map a name to None to remove it (e.g. to let `tandem up` make a token).
         env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *args],
+            [sys.executable, *([str(script)] if script else ["-m", "tandem.cli"]), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
