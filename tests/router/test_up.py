@@ -31,7 +31,7 @@ def test_specs_disaggregated() -> None:
         "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
         "--internal-port", "9001",
         "--policy", "prefix-aware", "--local-prefill-threshold", "64",
-        "--prefill-overload-queue", "6",
+        "--prefill-overload-queue", "6", "--peer-pull-min-tokens", "0",
     )  # fmt: skip
     # The cluster token reaches every child through its environment only.
     assert all(s.env == (("TANDEM_CLUSTER_TOKEN", "t" * 32),) for s in specs)
@@ -47,14 +47,39 @@ def test_specs_disaggregated() -> None:
 
 
 def test_specs_colocated_and_api_key_in_env() -> None:
-    cfg = UpConfig(prefill=0, decode=2, api_key="k", internal_port=8001)
+    # A key no flag contains (the argv spells "--peer-pull-min-tokens").
+    key = "K3Y"
+    cfg = UpConfig(prefill=0, decode=2, api_key=key, internal_port=8001)
     specs = build_specs(cfg, iter([1, 2]), python=PY)
     assert [s.role for s in specs] == ["router", "colocated", "colocated"]
     assert specs[1].argv[3] == "colocated"
-    assert specs[0].env == (("TANDEM_API_KEY", "k"),)
-    assert "k" not in repr(specs[0])
-    assert "k" not in specs[0].argv
-    assert "Authorization: Bearer k" in curl_line(cfg)
+    assert specs[0].env == (("TANDEM_API_KEY", key),)
+    assert key not in repr(specs[0])
+    assert key not in specs[0].argv
+    assert f"Authorization: Bearer {key}" in curl_line(cfg)
+    assert "--kv-peer-pull" not in specs[1].argv  # UpConfig's own default: pulls off
+
+
+def test_peer_pulls_are_on_for_several_colocated_workers_only() -> None:
+    from tandem.up_config import DEFAULT_PEER_PULL_MIN_TOKENS
+
+    on = parse_config(["--prefill", "0", "--decode", "2"])
+    assert on.peer_pull_min_tokens == DEFAULT_PEER_PULL_MIN_TOKENS
+    specs = build_specs(on, iter([1, 2, 3]), python=PY)
+    router = specs[0].argv
+    i = router.index("--peer-pull-min-tokens")
+    assert router[i + 1] == str(DEFAULT_PEER_PULL_MIN_TOKENS)
+    assert all(s.argv[-1] == "--kv-peer-pull" for s in specs[1:])
+    for argv in (["--prefill", "0", "--decode", "1"], ["--prefill", "1", "--decode", "2"], []):
+        assert parse_config(argv).peer_pull_min_tokens == 0
+    assert parse_config(["--prefill", "0", "--decode", "3", "--peer-pull-min-tokens", "0"]
+                        ).peer_pull_min_tokens == 0  # fmt: skip
+    assert parse_config(["--prefill", "0", "--decode", "2", "--peer-pull-min-tokens", "64"]
+                        ).peer_pull_min_tokens == 64  # fmt: skip
+    for bad in (["--prefill", "0", "--decode", "2", "--peer-pull-min-tokens", "-1"],
+                ["--decode", "2", "--peer-pull-min-tokens", "64"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_config(bad)
 
 
 def test_parse_config_defaults_and_errors() -> None:
