@@ -88,6 +88,12 @@ class PeerHooks(DecodeHooks):
             self._expected.pop(req.request_id, None)
         return ended
 
+    def on_abort(self, req: Request) -> None:
+        # A pull in flight or held (the puller), or a grant of our blocks (the source's pinned
+        # request, ``remote_decode``): the connector tells the peer and releases what it can.
+        if req.kv_transfer_params is not None or req.remote_decode:
+            self.connector.abort(req.request_id)
+
     def _whole(self, local_block_ids: list[int], sums: list[int]) -> bool:
         got = cache_checksums(self.kv_cache, local_block_ids).tolist()
         return got == sums

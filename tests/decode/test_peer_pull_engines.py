@@ -165,7 +165,8 @@ def test_a_grant_the_source_dropped_is_a_miss(
     params = grant(a, "g1", second)
     assert params is not None
     a.engine.abort(["g1"])  # the source gives the blocks up before the pull
-    run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None)
+    # At once, not at the lease's expiry (5 s).
+    run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None, timeout=2.0)
     got = generate(b, [a], "r", second, kv_prefix_params=params)
     assert got == expected(llama_gqa_path, second)
     assert sum(b.failures(r) for r in ("unknown_request", "aborted_by_peer")) == 1
@@ -186,6 +187,6 @@ def test_nothing_cached_grants_nothing_and_bad_grants_are_refused(peers: tuple[P
     with pytest.raises(ValueError, match="block_checksums"):
         b.submit("r", first, kv_prefix_params={**params, "block_checksums": []})
     a.engine.abort(["g1"])
-    run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None)
+    run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None, timeout=2.0)
     for p in (a, b):
         p.assert_drained()
