@@ -201,3 +201,19 @@ def test_client_disconnect_aborts_and_frees_blocks(long_worker: str) -> None:
         assert _gauge(url, "tandem_requests_running") == 1
     wait_for(lambda: _gauge(url, "tandem_requests_running") == 0, 10, "abort after disconnect")
     wait_for(lambda: _gauge(url, "tandem_kv_cache_usage_ratio") == 0.0, 10, "blocks freed")
+
+
+def test_kv_snapshot_names_both_tiers_and_grants_need_a_peer_worker(workers: dict) -> None:
+    url = workers["colocated"]
+    generate(
+        url, {"request_id": "snap", "prompt_token_ids": prompt(9, 40), "sampling_params": GREEDY}
+    )
+    snap = httpx.get(f"{url}/v1/internal/kv_blocks", headers=AUTH).json()
+    assert len(snap["block_hashes"]) >= 2 and snap["host_block_hashes"] == []  # no host tier
+    grant = {"request_id": "g", "prompt_token_ids": prompt(9, 32)}
+    for role in ("colocated", "prefill", "decode"):  # none started with --kv-peer-pull
+        r = httpx.post(f"{workers[role]}/v1/internal/kv_grant", json=grant, headers=AUTH)
+        assert r.status_code == 400 and "prefix pulls" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/internal/kv_grant", json=grant).status_code == 401
+    bad = httpx.post(f"{url}/v1/internal/kv_grant", json={"request_id": "g"}, headers=AUTH)
+    assert bad.status_code == 400
