@@ -5,6 +5,7 @@ stays pinned or held on either side."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -29,10 +30,14 @@ BS = 16
 
 
 class Peer:
-    def __init__(self, path: Path, transport: str, timeout: float = 5.0) -> None:
+    def __init__(
+        self, path: Path, transport: str, timeout: float = 5.0, lease: float = 5.0
+    ) -> None:
         parts = build_engine_parts(build_engine_config(str(path), num_blocks=NUM_BLOCKS))
         self.registry = CollectorRegistry()
-        self.role = PeerColocatedRole(transport, kv_lease_seconds=5.0, kv_transfer_timeout=timeout)
+        self.role = PeerColocatedRole(
+            transport, kv_lease_seconds=lease, kv_transfer_timeout=timeout
+        )
         ctx = RoleContext("peer", "127.0.0.1", None, self.registry, "m")
         self.engine = Engine(parts, self.role.attach(parts, ctx))
 
@@ -190,3 +195,48 @@ def test_nothing_cached_grants_nothing_and_bad_grants_are_refused(peers: tuple[P
     run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None, timeout=2.0)
     for p in (a, b):
         p.assert_drained()
+
+
+def test_a_pull_past_its_deadline_is_a_miss_and_the_source_lets_go(
+    llama_gqa_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source's data send hangs: the puller gives up after its transfer timeout (1 s) and
+    recomputes; the source frees the blocks once the stuck send is past its grace (the lease
+    table never frees blocks a transfer may still read: transfer timeout + 5 s)."""
+    from tandem.kvtransfer.tcp_transport import TcpSendTransport
+
+    async def hang(self, *args: Any) -> None:  # noqa: ANN001
+        await asyncio.sleep(3600)
+
+    # Short timeouts and leases keep the wait for the grace at about 7 s.
+    a = Peer(llama_gqa_path, "tcp", timeout=1.0, lease=1.0)
+    b = Peer(llama_gqa_path, "tcp", timeout=1.0, lease=1.0)
+    try:
+        first, second = shared_prompts()
+        generate(a, [b], "warm", first)
+        params = grant(a, "g1", second)
+        assert params is not None
+        monkeypatch.setattr(TcpSendTransport, "send", hang)
+        t0 = time.monotonic()
+        got = generate(b, [a], "r", second, kv_prefix_params=params)
+        assert got == expected(llama_gqa_path, second)
+        assert time.monotonic() - t0 < 10
+        assert b.failures("transfer_error") == 1  # "tcp transfer timed out"
+        for p in (a, b):
+            p.assert_drained()
+    finally:
+        a.role.close()
+        b.role.close()
+
+
+def test_an_unused_grant_is_freed_at_lease_expiry(llama_gqa_path: Path) -> None:
+    a = Peer(llama_gqa_path, "tcp", lease=0.5)
+    try:
+        first, _ = shared_prompts()
+        generate(a, [], "warm", first)
+        assert grant(a, "g1", first) is not None
+        assert len(a.engine.scheduler.pinned) == 1
+        run_until([a], lambda: not a.engine.scheduler.pinned, lambda o: None, timeout=5.0)
+        a.assert_drained()
+    finally:
+        a.role.close()
