@@ -65,8 +65,8 @@ def serve(engine: Any, role: Any, rid: str, prompt: list[int], **fields: Any) ->
     from tandem.engine.worker.protocol import parse_generate_request
     from tandem.engine.worker.service import submit
 
-    body = {"request_id": rid, "prompt_token_ids": prompt, **fields,
-            "sampling_params": {"temperature": 0.0, "max_tokens": 1, "ignore_eos": True}}  # fmt: skip
+    sampling = {"temperature": 0.0, "max_tokens": 1, "ignore_eos": True}
+    body = {"request_id": rid, "prompt_token_ids": prompt, "sampling_params": sampling, **fields}
     submit(engine, role, parse_generate_request(body))
 
 

@@ -240,3 +240,28 @@ def test_an_unused_grant_is_freed_at_lease_expiry(llama_gqa_path: Path) -> None:
         a.assert_drained()
     finally:
         a.role.close()
+
+
+def test_a_puller_pulls_only_what_its_own_cache_lacks(
+    peers: tuple[Peer, Peer], llama_gqa_path: Path
+) -> None:
+    a, b = peers
+    first, second = shared_prompts()
+    generate(a, [b], "warm", first)
+    generate(b, [a], "b-warm", first[: 2 * BS + 1])  # b caches the first 2 of the 5 blocks
+    spy: list[int] = []
+    pulled_blocks(b, spy)
+    params = grant(a, "g1", second)
+    assert params is not None
+    assert generate(b, [a], "r", second, kv_prefix_params=params) == expected(
+        llama_gqa_path, second
+    )
+    params = grant(a, "g2", second)  # b now has all 5: the pull moves nothing
+    assert params is not None
+    assert generate(b, [a], "r2", second, kv_prefix_params=params) == expected(
+        llama_gqa_path, second
+    )
+    assert spy == [3, 0]
+    assert b.failures("checksum_mismatch") == 0
+    for p in (a, b):
+        p.assert_drained()
