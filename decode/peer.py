@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tandem.decode.hooks import DecodeHooks, LoadFailurePolicy
+from tandem.decode.role import DecodeRole
 from tandem.engine.builder import EngineParts
 from tandem.engine.engine import Engine
 from tandem.engine.hooks import RoleHooks
@@ -38,8 +39,6 @@ from tandem.engine.role import Role
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.worker.protocol import BadRequest, GenerateRequest
 from tandem.engine.worker.role import RoleContext, refuse_role_fields
-from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
-from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
 from tandem.kvtransfer.metrics import KVTransferMetrics
 
@@ -118,8 +117,9 @@ def attach_prefix_kv(engine: Engine, reqs: list[Request], wire: dict[str, Any]) 
     req.kv_transfer_params = params
 
 
-class PeerColocatedRole:
-    """A colocated worker with a connector of both sides (``Role.COLOCATED``)."""
+class PeerColocatedRole(DecodeRole):
+    """A colocated worker with a connector of both sides (``Role.COLOCATED``): the decode
+    role's connector and pulls, plus serving grants of its own cache."""
 
     role = Role.COLOCATED
 
@@ -129,32 +129,13 @@ class PeerColocatedRole:
         kv_lease_seconds: float = 10.0,
         kv_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
     ) -> None:
-        self.kv_transport = kv_transport
-        self.kv_lease_seconds = kv_lease_seconds
-        self.kv_transfer_timeout = kv_transfer_timeout
-        self.connector: ZmqKVConnector | None = None
+        super().__init__(kv_transport, kv_lease_seconds, LoadFailurePolicy.RECOMPUTE,
+                         kv_transfer_timeout)  # fmt: skip
         self.kv_cache: torch.Tensor | None = None
 
     def attach(self, parts: EngineParts, ctx: RoleContext) -> RoleHooks:
-        metrics = create_kv_transfer_metrics(ctx.registry, ctx.model_name, self.role.label)
-        self.connector = create_connector(
-            self.kv_transport,
-            parts.layout,
-            parts.runner.kv_cache,
-            self.role,
-            host=ctx.host,
-            advertise_host=ctx.advertise_host,
-            lease_seconds=self.kv_lease_seconds,
-            transfer_timeout=self.kv_transfer_timeout,
-            metrics=metrics,
-            engine_id=ctx.engine_id,
-            cluster_token=ctx.cluster_token,
-            side_channel_port=ctx.kv_side_channel_port,
-            data_port=ctx.kv_data_port,
-            fingerprint=ctx.fingerprint,
-            identity=ctx.identity,
-            simulated=parts.simulated_transfer,
-        )
+        metrics = self.connect(parts, ctx)
+        assert self.connector is not None
         self.kv_cache = parts.runner.kv_cache
         return PeerHooks(self.connector, self.kv_cache, metrics)
 
@@ -185,7 +166,3 @@ class PeerColocatedRole:
     def info(self) -> dict[str, Any]:
         side = self.connector.side_channel_address if self.connector is not None else None
         return {"kv_side_channel": side}
-
-    def close(self) -> None:
-        if self.connector is not None:
-            self.connector.close()

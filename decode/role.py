@@ -16,6 +16,7 @@ from tandem.engine.worker.role import RoleContext, refuse_grant, refuse_role_fie
 from tandem.kvtransfer import create_connector, create_kv_transfer_metrics
 from tandem.kvtransfer.connector import ZmqKVConnector
 from tandem.kvtransfer.factory import DEFAULT_TRANSFER_TIMEOUT
+from tandem.kvtransfer.metrics import KVTransferMetrics
 
 
 class DecodeRole:
@@ -35,6 +36,12 @@ class DecodeRole:
         self.connector: ZmqKVConnector | None = None
 
     def attach(self, parts: EngineParts, ctx: RoleContext) -> RoleHooks:
+        self.connect(parts, ctx)
+        assert self.connector is not None
+        return DecodeHooks(self.connector, self.load_failure_policy)
+
+    def connect(self, parts: EngineParts, ctx: RoleContext) -> KVTransferMetrics:
+        """Build ``self.connector`` (its sides follow ``self.role``); returns its metrics."""
         metrics = create_kv_transfer_metrics(ctx.registry, ctx.model_name, self.role.label)
         self.connector = create_connector(
             self.kv_transport,
@@ -54,7 +61,7 @@ class DecodeRole:
             identity=ctx.identity,
             simulated=parts.simulated_transfer,
         )
-        return DecodeHooks(self.connector, self.load_failure_policy)
+        return metrics
 
     def intake(self, engine: Engine, reqs: list[Request], req: GenerateRequest) -> None:
         refuse_role_fields(req, self.role)
