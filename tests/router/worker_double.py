@@ -135,6 +135,11 @@ class WorkerDouble:
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     generate_calls: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    # A colocated worker started with --kv-peer-pull: it registers a side channel and answers
+    # kv_grant with ``grant_status`` (200: a grant naming the request when it caches the prefix).
+    peer: bool = False
+    grant_status: int = 200
+    grant_calls: list[dict[str, Any]] = field(default_factory=list)
     stored: dict[bytes, None] = field(default_factory=dict)
     seq: int = -1
     served: Served | None = None
@@ -162,7 +167,7 @@ class WorkerDouble:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
             "kv_events_endpoint": f"tcp://127.0.0.1:{self._events_port}",
-            "kv_side_channel": "tcp://127.0.0.1:1" if self.role == "prefill" else None,
+            "kv_side_channel": "tcp://127.0.0.1:1" if self.role == "prefill" or self.peer else None,
         }
 
     def publish(self, events: list[list[Any]], deliver: bool = True) -> None:
@@ -222,6 +227,17 @@ class WorkerDouble:
                 "seq": self.seq + 1,  # the next message's number, as the engine reports it
                 "block_hashes": [h.hex() for h in self.stored],
             }
+
+        @app.post("/v1/internal/kv_grant")
+        async def kv_grant(request: Request) -> Any:
+            body = await request.json()
+            self.grant_calls.append(body)
+            hashes = hash_block_tokens(body["prompt_token_ids"], self.block_size)
+            if self.grant_status != 200 or not all(h in self.stored for h in hashes):
+                status = 404 if self.grant_status == 200 else self.grant_status
+                error = {"message": "no grant", "type": "x", "param": None, "code": "no_prefix"}
+                return JSONResponse({"error": error}, status_code=status)
+            return {"kv_transfer_params": {"grant_of": body["request_id"]}}
 
         @app.post("/v1/internal/generate")
         async def generate(request: Request) -> Any:
