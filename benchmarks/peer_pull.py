@@ -161,7 +161,9 @@ def main() -> int:
             )  # fmt: skip
             results.append(measure(model, label, lengths, args))
     for res in results:
-        print(f"{res['model']}: pull beats recompute from {res['crossover']} prefix tokens on")
+        x = res["crossover"]
+        where = f"from {x} prefix tokens on" if x is not None else "nowhere in this sweep"
+        print(f"{res['model']} ({res['transport']}): the pull beats recomputing {where}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:

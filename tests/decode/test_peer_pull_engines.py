@@ -133,6 +133,8 @@ def test_pull_from_a_peer_equals_recompute(peers: tuple[Peer, Peer], llama_gqa_p
     params = grant(a, "g1", second)
     assert params is not None and len(params["block_ids"]) == 5
     assert len(a.engine.scheduler.pinned) == 1  # pinned for the pull
+    a.engine.check_integrity()  # the grant's blocks are accounted for as a pinned request's
+    assert a.engine.pool.num_free_blocks == NUM_BLOCKS - 5
     spy: list[int] = []
     pulled_blocks(b, spy)
     got = generate(b, [a], "r", second, kv_prefix_params=params)
