@@ -29,6 +29,7 @@ class FaultyWorker:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (tmp / f"{role}-{mode}-{self.port}.log").open("wb")
         env = {**os.environ, "TANDEM_TEST_FAULT": f"{mode}:{POISON}", "PYTHONUNBUFFERED": "1",
+               "TANDEM_TEST_STEP_DELAY": "0.01",
                "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "faulty_worker.py"), role, "--model", "demo",
