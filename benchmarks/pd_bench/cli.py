@@ -160,7 +160,7 @@ def main(doc: str | None = None) -> int:
     if not args.model_dir:
         out = Path(tempfile.mkdtemp(prefix="tandem-bench-pd-model-"))
         settings = dataclasses.replace(
-            settings, model_dir=str(write_chat_llama(out, args.hidden, args.layers))
+            settings, model_dir=str(write_chat_llama(out, args.hidden, args.layers, context=4096))
         )
     note = machine()
     t0 = time.time()
