@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -32,6 +33,23 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: floa
             return
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+T = TypeVar("T")
+
+
+def poll(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
+    """`probe()` until it returns something truthy; that value."""
+    found: list[T] = []
+
+    def ready() -> bool:
+        value = probe()
+        if value:
+            found.append(value)
+        return bool(value)
+
+    wait_for(ready, timeout, what, interval)
+    return found[0]
 
 
 class Proc:

@@ -16,7 +16,7 @@ from benchlib.machine import machine
 from benchlib.model import write_chat_llama
 
 from pd_bench import deployments, plots, report, runner, summary
-from pd_bench.workloads import WORKLOADS, Bursty, Synthetic
+from pd_bench.workloads import MODEL_CONTEXT, WORKLOADS, Bursty, Synthetic
 
 GUIDELLM_OVERHEAD_S = 12.0  # per guidellm run: worker processes start, report compiles
 STARTUP_S = 25.0  # per deployment: processes start, model loads, warm-up
@@ -160,7 +160,8 @@ def main(doc: str | None = None) -> int:
     if not args.model_dir:
         out = Path(tempfile.mkdtemp(prefix="tandem-bench-pd-model-"))
         settings = dataclasses.replace(
-            settings, model_dir=str(write_chat_llama(out, args.hidden, args.layers))
+            settings,
+            model_dir=str(write_chat_llama(out, args.hidden, args.layers, context=MODEL_CONTEXT)),
         )
     note = machine()
     t0 = time.time()

@@ -115,6 +115,23 @@ CALIBRATION = (Lengths(32, None, 32, 32, 32, None, 32, 32),
                Lengths(1088, None, 128, 2048, 32, None, 32, 32))  # fmt: skip
 
 
+# Positions of the default model: room for every workload's longest prompt plus its longest
+# output (and the chat template's few tokens); ``longest_request`` is what must fit.
+MODEL_CONTEXT = 4096
+
+
+def longest_request() -> int:
+    """The most positions one request of any workload or calibration can take."""
+    spans = [ls.prompt_max + ls.output_max for ls in CALIBRATION]
+    for w in WORKLOADS.values():
+        if isinstance(w, Synthetic):
+            spans.append(w.lengths.prompt_max + w.lengths.output_max)
+        else:
+            spans.append(max(w.background_prompt + w.background_output,
+                             w.burst_prompt + w.burst_output))  # fmt: skip
+    return max(spans)
+
+
 def bursty_trace(w: Bursty, duration_s: float, seed: int) -> list[dict[str, float | int]]:
     """The bursty trace at load 1.0 for ``duration_s`` seconds: rows of guidellm's
     ``trace_synthetic`` format (timestamp s, input_length, output_length), by timestamp. The first

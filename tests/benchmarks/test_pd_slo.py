@@ -91,3 +91,11 @@ def test_percentiles_histogram_quantiles_and_cdf() -> None:
     ]  # fmt: skip
     assert cdf([3, 1, 2]) == ([1, 2, 3], [1 / 3, 2 / 3, 1.0])
     assert cdf([]) == ([], [])
+
+
+def test_the_default_model_holds_every_workloads_longest_request() -> None:
+    from pd_bench.workloads import MODEL_CONTEXT, longest_request
+
+    # prefill-heavy: 2048-token prompts + 256-token outputs; at 2048 positions they were refused.
+    assert longest_request() == 2048 + 256
+    assert MODEL_CONTEXT >= longest_request() + 64  # the chat template's tokens on top
