@@ -54,9 +54,10 @@ class UpConfig:
     peer_pull_min_tokens: int = 0
 
 
-# tandem up's --peer-pull-min-tokens with --prefill 0 and several workers: the prefix length
-# past which a pull beat recomputing it in benchmarks/peer_pull.py (docs/benchmarks.md).
-DEFAULT_PEER_PULL_MIN_TOKENS = 256
+# tandem up's --peer-pull-min-tokens default: off. In benchmarks/peer_pull.py's run of 2026-12-01
+# a pull never beat recomputing the prefix on this machine (docs/benchmarks.md), so pulls are
+# opt-in until a measurement says where they win.
+DEFAULT_PEER_PULL_MIN_TOKENS = 0
 
 _ROUTER_PASSTHROUGH = (
     ("max_inflight_requests", "--max-inflight-requests"),
@@ -218,8 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: never)")  # fmt: skip
     p.add_argument("--peer-pull-min-tokens", type=int, default=None, metavar="TOKENS",
                    help="colocated workers pull a prompt's prefix from a peer holding this many "
-                   f"more of its tokens (0: never; default {DEFAULT_PEER_PULL_MIN_TOKENS} with "
-                   "--prefill 0 and several workers, else 0)")  # fmt: skip
+                   "more of its tokens (needs --prefill 0 and several workers; default 0: "
+                   "never)")  # fmt: skip
     p.add_argument("--policy", choices=("prefix-aware", "least-load", "round-robin"),
                    default="prefix-aware")  # fmt: skip
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",

@@ -60,15 +60,18 @@ def test_specs_colocated_and_api_key_in_env() -> None:
     assert "--kv-peer-pull" not in specs[1].argv  # UpConfig's own default: pulls off
 
 
-def test_peer_pulls_are_on_for_several_colocated_workers_only() -> None:
+def test_peer_pulls_are_opt_in_and_for_several_colocated_workers_only() -> None:
     from tandem.up_config import DEFAULT_PEER_PULL_MIN_TOKENS
 
-    on = parse_config(["--prefill", "0", "--decode", "2"])
-    assert on.peer_pull_min_tokens == DEFAULT_PEER_PULL_MIN_TOKENS
+    assert DEFAULT_PEER_PULL_MIN_TOKENS == 0  # off until a pull is measured to win
+    off = parse_config(["--prefill", "0", "--decode", "2"])
+    assert off.peer_pull_min_tokens == 0
+    assert all("--kv-peer-pull" not in s.argv for s in build_specs(off, iter([1, 2, 3]), PY))
+    on = parse_config(["--prefill", "0", "--decode", "2", "--peer-pull-min-tokens", "256"])
     specs = build_specs(on, iter([1, 2, 3]), python=PY)
     router = specs[0].argv
     i = router.index("--peer-pull-min-tokens")
-    assert router[i + 1] == str(DEFAULT_PEER_PULL_MIN_TOKENS)
+    assert router[i + 1] == "256"
     assert all(s.argv[-1] == "--kv-peer-pull" for s in specs[1:])
     for argv in (["--prefill", "0", "--decode", "1"], ["--prefill", "1", "--decode", "2"], []):
         assert parse_config(argv).peer_pull_min_tokens == 0
