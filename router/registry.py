@@ -237,9 +237,11 @@ class WorkerRegistry:
         self._timeout = heartbeat_timeout_s
         self._model = model
         self._workers: dict[str, WorkerState] = {}
-        # Workers known to be gone (heartbeats lost, or replaced by a restart at their URL), as
-        # opposed to deregistered ones, which drain: their open streams still finish. Bounded.
-        self._gone: OrderedDict[str, None] = OrderedDict()
+        # How often each worker was lost (heartbeats stopped, or replaced by a restart at its
+        # URL), as opposed to deregistering, after which it drains and its streams finish. A
+        # stream notes the count when it starts; a change means its worker was lost meanwhile,
+        # even if it has come back since (its streams were given up for migration). Bounded.
+        self._losses: OrderedDict[str, int] = OrderedDict()
 
     def register(self, info: WorkerInfo) -> list[WorkerState]:
         """Add or refresh a worker; returns entries it replaced (same URL, older engine id)."""
@@ -269,8 +271,7 @@ class WorkerRegistry:
         ]
         for old in replaced:
             del self._workers[old.info.engine_id]
-            self._mark_gone(old.info.engine_id)
-        self._gone.pop(info.engine_id, None)
+            self._mark_lost(old.info.engine_id)
         if existing is not None:
             existing.last_seen = self._clock()
         else:
@@ -296,19 +297,19 @@ class WorkerRegistry:
         dead = [w for w in self._workers.values() if w.last_seen < deadline]
         for w in dead:
             del self._workers[w.info.engine_id]
-            self._mark_gone(w.info.engine_id)
+            self._mark_lost(w.info.engine_id)
         return dead
 
-    def _mark_gone(self, engine_id: str) -> None:
-        self._gone[engine_id] = None
-        while len(self._gone) > 4 * MAX_WORKERS:
-            self._gone.popitem(last=False)
+    def _mark_lost(self, engine_id: str) -> None:
+        self._losses[engine_id] = self._losses.pop(engine_id, 0) + 1
+        while len(self._losses) > 4 * MAX_WORKERS:
+            self._losses.popitem(last=False)
 
-    def is_gone(self, engine_id: str) -> bool:
-        """True for a worker dropped because it stopped heartbeating or was replaced by a new
-        process at its URL: its streams will not finish. A worker that deregistered (draining)
-        is not gone: it finishes what it holds."""
-        return engine_id in self._gone
+    def losses(self, engine_id: str) -> int:
+        """How often this worker was dropped for lost heartbeats or replaced by a restart at its
+        URL (deregistering, to drain, does not count). ``worker_stream`` compares the count at a
+        stream's start with the current one."""
+        return self._losses.get(engine_id, 0)
 
     def get(self, engine_id: str) -> WorkerState | None:
         return self._workers.get(engine_id)

@@ -36,6 +36,9 @@ def generate_body(
     return body
 
 
+_SILENT: dict[str, Any] = {}  # no chunk within the poll interval
+
+
 async def worker_stream(
     ctx: FlowContext, worker: WorkerState, body: dict[str, Any]
 ) -> AsyncIterator[dict[str, Any]]:
@@ -45,6 +48,7 @@ async def worker_stream(
     past the read timeout; aborts the sub-request on the worker unless it finished.
     """
     url, engine_id = worker.info.url, worker.info.engine_id
+    losses = ctx.registry.losses(engine_id)
     stream = ctx.client.generate(url, body)
     worker.inflight += 1
     finished = False
@@ -54,15 +58,16 @@ async def worker_stream(
             try:
                 chunk = await stream.next_chunk(ctx.config.poll_s)
             except TimeoutError:
+                chunk = _SILENT
+            # A draining worker has deregistered but finishes its streams; one whose heartbeats
+            # stopped (or that was replaced by a restart) since this stream began is given up,
+            # even when it comes back with output: the router may already have moved its work.
+            if ctx.registry.losses(engine_id) != losses:
+                raise WorkerUnavailable(f"worker {engine_id} stopped heartbeating")
+            if chunk is _SILENT:
                 silent += ctx.config.poll_s
-                # A draining worker has deregistered but finishes its streams; one whose
-                # heartbeats stopped (or that was replaced by a restart) will not.
-                if ctx.registry.is_gone(engine_id):
-                    raise WorkerUnavailable(f"worker {engine_id} stopped heartbeating") from None
                 if silent >= ctx.config.read_timeout_s:
-                    raise WorkerUnavailable(
-                        f"worker {engine_id} silent for {silent:.0f} s"
-                    ) from None
+                    raise WorkerUnavailable(f"worker {engine_id} silent for {silent:.0f} s")
                 continue
             silent = 0.0
             if chunk is None:

@@ -51,21 +51,24 @@ def test_restart_with_new_engine_id_replaces_old_entry() -> None:
     replaced = reg.register(WorkerInfo.from_json(info("new")))
     assert [w.info.engine_id for w in replaced] == ["old"]
     assert [w.info.engine_id for w in reg.all()] == ["new"]
-    assert reg.is_gone("old") and not reg.is_gone("new")
+    assert reg.losses("old") == 1 and reg.losses("new") == 0
 
 
-def test_only_expired_or_replaced_workers_are_gone_not_deregistered_ones() -> None:
+def test_only_expired_or_replaced_workers_count_as_lost_not_deregistered_ones() -> None:
     clock = Clock()
     reg = WorkerRegistry(clock, heartbeat_timeout_s=3.0, model="m")
     reg.register(WorkerInfo.from_json(info("drains", "http://a:1")))
     reg.register(WorkerInfo.from_json(info("dies", "http://b:1")))
     assert reg.deregister("drains") is not None
-    assert not reg.is_live("drains") and not reg.is_gone("drains")  # it finishes its streams
+    assert not reg.is_live("drains") and reg.losses("drains") == 0  # it finishes its streams
     clock.now += 3.01
     assert [w.info.engine_id for w in reg.expire()] == ["dies"]
-    assert reg.is_gone("dies")
-    reg.register(WorkerInfo.from_json(info("dies", "http://b:1")))  # it came back
-    assert reg.is_live("dies") and not reg.is_gone("dies")
+    assert reg.losses("dies") == 1
+    reg.register(WorkerInfo.from_json(info("dies", "http://b:1")))  # it came back: streams
+    assert reg.is_live("dies") and reg.losses("dies") == 1  # begun before stay given up
+    clock.now += 3.01
+    reg.expire()
+    assert reg.losses("dies") == 2
 
 
 def test_deregister_and_roles_and_max_len() -> None:
