@@ -119,18 +119,31 @@ def test_stopped_decode_past_heartbeat_loses_no_stream(up: Cluster) -> None:
     specs = long_specs(INFLIGHT, seed=21, max_tokens=200)
     reference = run_load(up.url, specs, INFLIGHT)
 
+    held: list[int] = []  # the router's open streams to the victim, last seen before expiry
+
     def stop_decode() -> None:
         victim = up.busiest("decode")  # streams are on it now
+        url = up.urls[victim]
         up.signal(victim, signal.SIGSTOP)
+
+        def expired() -> bool:
+            ws = up.workers()
+            held[:] = [w["inflight"] for w in ws if w["url"] == url] or held
+            return len(ws) == 2
+
         try:
-            wait_for(lambda: len(up.workers()) == 2, 15, "the stopped worker expired")
+            wait_for(expired, 15, "the stopped worker expired")
         finally:
             up.signal(victim, signal.SIGCONT)
 
     migrations = up.router_metric("tandem_router_migrations_total")
     outcomes = fault_under_load(up, specs, stop_decode)
     assert [o.texts for o in outcomes] == [o.texts for o in reference]
-    assert up.router_metric("tandem_router_migrations_total") > migrations  # streams moved
+    # On a fast machine a stopped worker may already have written all its tokens into the
+    # socket (the router drains them while it is stopped); only streams still open to it at
+    # its expiry must move.
+    if held and held[0] > 0:
+        assert up.router_metric("tandem_router_migrations_total") > migrations  # streams moved
     assert all(o.kind == "ok" and o.completion_tokens == 200 for o in outcomes), summary(outcomes)
     up.wait_registered(3, timeout=30)  # it heartbeats again and re-registers
     up.assert_clean(outcomes)
