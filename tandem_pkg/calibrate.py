@@ -43,13 +43,15 @@ ISL, OSL, CONCURRENT = 32, 12, 8
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 
 
-def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
-    """Seconds from sending to each streamed token."""
+def _stream(client: httpx.Client, url: str, model: str, prompt: list[int]) -> list[float]:
+    """Seconds from sending to each streamed token. The client is made once and reused, as a
+    load generator's is: a new ``httpx`` client builds an SSL context (~10-20 ms), which is not
+    the router's time."""
     body = {"model": model, "prompt": prompt, "max_tokens": OSL, "temperature": 0.0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     t0 = time.perf_counter()
     times = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -106,9 +108,10 @@ class LocalUp:
                 self.proc.wait()
 
 
-def _up(model: str, prefill: int, transport: str, options: Sequence[str], log_dir: Path) -> LocalUp:
+def _up(model: str, prefill: int, transport: str, options: Sequence[str], threads: int,
+        log_dir: Path) -> LocalUp:  # fmt: skip
     args = ["--model", model, "--prefill", str(prefill), "--decode", "1",
-            "--kv-transport", transport]  # fmt: skip
+            "--kv-transport", transport, "--worker-threads", str(threads)]  # fmt: skip
     for opt in options:
         args += ["--engine-option", opt]
     return LocalUp(args, prefill + 1, log_dir, f"up-{prefill}")
@@ -125,10 +128,14 @@ def _complete(runs: list[list[float]]) -> list[list[float]]:
 
 def calibrate_serving(
     profile: Profile, model: str, transport: str, options: Sequence[str] = (),
-    requests: int = 12,
+    requests: int = 12, threads: int | None = None,
 ) -> ServingCost:  # fmt: skip
     """The profile's ServingCost measured on this machine; ValueError if nothing was measured.
-    ``options`` are the engine options (``key=value``) the workers run with."""
+    ``options`` are the engine options (``key=value``) the workers run with, ``threads`` each
+    worker's engine threads (default: the profile's, the threads its steps were timed with)."""
+    if threads is None:
+        recorded = profile.hardware.get("torch_threads", 1)
+        threads = recorded if type(recorded) is int and recorded > 0 else 1
     step = profile.step
     rng = random.Random(0)
     tokens = profile.model.sim_token_ids
@@ -138,29 +145,37 @@ def calibrate_serving(
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _up(model, 0, transport, options, log_dir) as up:
-        for _ in range(WARMUP):
-            _stream(up.url, model, prompt())
-        alone = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
-        with ThreadPoolExecutor(CONCURRENT) as pool:
-            batch = []
-            for _ in range(3):
-                prompts = [prompt() for _ in range(CONCURRENT)]
-                batch += _complete(list(pool.map(lambda p: _stream(up.url, model, p), prompts)))
-    with _up(model, 1, transport, options, log_dir) as up:
-        for _ in range(WARMUP):
-            _stream(up.url, model, prompt())
-        pd = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
+    with httpx.Client(timeout=120) as client:
+
+        def stream(up: LocalUp, p: list[int]) -> list[float]:
+            return _stream(client, up.url, model, p)
+
+        with _up(model, 0, transport, options, threads, log_dir) as up:
+            for _ in range(WARMUP):
+                stream(up, prompt())
+            alone = _complete([stream(up, prompt()) for _ in range(requests)])
+            with ThreadPoolExecutor(CONCURRENT) as pool:
+                batch = []
+                for _ in range(3):
+                    prompts = [prompt() for _ in range(CONCURRENT)]
+                    batch += _complete(list(pool.map(lambda p: stream(up, p), prompts)))
+        with _up(model, 1, transport, options, threads, log_dir) as up:
+            for _ in range(WARMUP):
+                stream(up, prompt())
+            pd = _complete([stream(up, prompt()) for _ in range(requests)])
     if not alone or not batch or not pd:
         raise ValueError("the serving calibration got no complete answers")
 
-    def gaps(runs: list[list[float]]) -> list[float]:
-        return [t[i + 1] - t[i] for t in runs for i in range(1, len(t) - 1)]
+    def itl(runs: list[list[float]]) -> list[float]:
+        # Per request, the mean gap after the first token (guidellm's ITL, the planner's
+        # target): streamed tokens arrive in bursts (several in one read, then a longer gap),
+        # so a low quantile of single gaps is ~0 and says nothing about the pace.
+        return [(t[-1] - t[1]) / (len(t) - 2) for t in runs]
 
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
-    step_overhead = max(0.0, _low(gaps(alone)) - decode1)
+    step_overhead = max(0.0, _low(itl(alone)) - decode1)
     decode_n = step.step_seconds([(1, ISL + OSL // 2)] * CONCURRENT)
-    per_row = (_low(gaps(batch)) - decode_n - step_overhead) / (CONCURRENT - 1)
+    per_row = (_low(itl(batch)) - decode_n - step_overhead) / (CONCURRENT - 1)
     first = _low([t[0] for t in alone])
     router = max(0.0, first - step.step_seconds([(ISL, 0)]) - step_overhead)
     blocks = -(-ISL // profile.engine.block_size)
