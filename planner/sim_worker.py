@@ -68,6 +68,7 @@ class SimWorker:
         slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
         step_overhead: float = 0.0,
         row_overhead: float = 0.0,
+        request_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -83,6 +84,9 @@ class SimWorker:
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
+        # The HTTP side's work on each request sent here, taken from the next step (one GIL).
+        self._request_overhead = request_overhead
+        self._owed = 0.0
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -112,6 +116,7 @@ class SimWorker:
         """A request reaches the engine thread: role check, queue, wake."""
         self.hooks.on_admit(req)
         self.scheduler.add_request(req)
+        self._owed += self._request_overhead
         self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
         self.wake()
 
@@ -145,7 +150,8 @@ class SimWorker:
         rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         if self.history is not None:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        serving = self._overhead + self._row_overhead * len(rows)
+        serving = self._overhead + self._row_overhead * len(rows) + self._owed
+        self._owed = 0.0
         seconds = (self.cost.step_seconds(rows) + serving) * self._slowdown(self)
         self.busy = True
         self.steps += 1
