@@ -10,7 +10,9 @@ the steps themselves. Measured, with the profile's step model subtracted:
   one-at-a-time requests of ``OSL`` tokens and as many of one token: the router's per-request
   and per-token work (``router_request_cpu``, ``router_token_cpu``); the worker's per-token work
   beyond its decode step, streaming the token (``row_seconds``), and its per-request work
-  beyond the prefill step (``worker_request_cpu``);
+  beyond the prefill step (``worker_request_cpu``); over as many 1P1D requests, each side's per
+  request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
+  and its half of the KV transfer);
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
   token) minus the predicted decode step and one row is ``step_seconds``; the first token
   minus the predicted prefill step is the router's part, split into ``request_seconds`` (at
@@ -217,7 +219,13 @@ def calibrate_serving(
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
-            pd = _complete([stream(up, prompt()) for _ in range(requests)])
+            pd: list[list[float]] = []
+
+            def disaggregated() -> int:
+                pd.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
+                return CPU_REQUESTS
+
+            cpu_pd = _cpu_per_request(up, disaggregated)
     if not alone or not pd:
         raise ValueError("the serving calibration got no complete answers")
 
@@ -236,6 +244,11 @@ def calibrate_serving(
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
     row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
     worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
+    # P/D: each side's CPU per request beyond its steps (and the decode side's rows) is its
+    # request handling plus its half of the KV transfer.
+    p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
+    prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
+    decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
     step_overhead = max(0.0, itl[len(itl) // 2] - decode1 - row)
     # The first token's serving latency per request: its median, and its spread.
     served = sorted(max(0.0, t[0] - prefill - step_overhead - row) for t in alone)
@@ -255,6 +268,8 @@ def calibrate_serving(
         router_request_cpu=round(router_request, 6),
         router_token_cpu=round(router_token, 7),
         worker_request_cpu=round(max(0.0, worker_request), 6),
+        prefill_request_cpu=round(prefill_request, 6),
+        decode_request_cpu=round(decode_request, 6),
         request_spread=quantiles(served),
         pace_spread=quantiles([v / itl[len(itl) // 2] for v in itl]) if itl[len(itl) // 2] else (),
         pace_seconds=round(sorted(t[-1] - t[1] for t in alone)[len(alone) // 2], 6),

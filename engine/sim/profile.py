@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.role import Role
 from tandem.engine.sim.cost_model import (
     STEP_FEATURES,
     TRANSFER_FEATURES,
@@ -92,7 +93,9 @@ class ServingCost:
     loop is one thread, so its work queues: ``router_request_cpu`` per request it places and
     ``router_token_cpu`` per token it streams are its service times, part of the latencies
     above; ``worker_request_cpu`` is what a worker's HTTP side spends on each request it is
-    sent, time its engine thread loses (they share the GIL). 0: not measured (not modelled).
+    sent, time its engine thread loses (they share the GIL), ``prefill_request_cpu`` and
+    ``decode_request_cpu`` the same in P/D with each side's part of the KV transfer (0: the
+    colocated figure). 0: not measured (not modelled).
     """
 
     request_seconds: float = 0.002
@@ -103,6 +106,8 @@ class ServingCost:
     router_request_cpu: float = 0.0
     router_token_cpu: float = 0.0
     worker_request_cpu: float = 0.0
+    prefill_request_cpu: float = 0.0  # the same on a prefill worker, with its side of a transfer
+    decode_request_cpu: float = 0.0  # on a decode worker, with its pull
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -111,6 +116,11 @@ class ServingCost:
     request_spread: tuple[float, ...] = ()
     pace_spread: tuple[float, ...] = ()
     pace_seconds: float = 0.0
+
+    def request_cpu(self, role: Role) -> float:
+        """A worker of ``role``'s CPU per request sent to it (the simulator's workers)."""
+        measured = {Role.PREFILL: self.prefill_request_cpu, Role.DECODE: self.decode_request_cpu}
+        return measured.get(role) or self.worker_request_cpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +181,8 @@ class Profile:
                 "row_seconds": s.row_seconds, "router_request_cpu": s.router_request_cpu,
                 "router_token_cpu": s.router_token_cpu,
                 "worker_request_cpu": s.worker_request_cpu,
+                "prefill_request_cpu": s.prefill_request_cpu,
+                "decode_request_cpu": s.decode_request_cpu,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -331,6 +343,8 @@ def profile_from_dict(data: Any) -> Profile:
                 "router_request_cpu",
                 "router_token_cpu",
                 "worker_request_cpu",
+                "prefill_request_cpu",
+                "decode_request_cpu",
                 "pace_seconds",
             )  # fmt: skip
         },
