@@ -112,10 +112,12 @@ def _slowdown(cores: int | None, threads: int, workers: list[SimWorker], router:
     def factor(w: SimWorker) -> float:
         if cores is None:
             return pace.at(w.loop.now)
-        # The starting worker's threads, the busy ones', and each router loop with work queued
-        # (one thread each) against the cores.
+        # The starting worker's threads, the busy ones', each worker thread still streaming
+        # tokens and each router loop with work queued (one thread each) against the cores.
         busy = 1 + sum(1 for x in workers if x.busy)
-        return max(1.0, (busy * threads + router.busy_loops) / cores) * pace.at(w.loop.now)
+        shells = sum(1 for x in workers if x.shell_busy)
+        demand = busy * threads + shells + router.busy_loops
+        return max(1.0, demand / cores) * pace.at(w.loop.now)
 
     return factor
 

@@ -14,9 +14,11 @@ the steps themselves. Measured, with the profile's step model subtracted:
   request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
   and its half of the KV transfer);
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
-  token) minus the predicted decode step and one row is ``step_seconds``; the first token
-  minus the predicted prefill step is the router's part, split into ``request_seconds`` (at
-  least the router's and the worker's CPU for a request) and ``token_seconds``;
+  token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
+  thread, so its rows are off the step's path); the first token minus the predicted prefill
+  step is the router's part (median, and ``request_spread``), split into ``request_seconds``
+  (at least the router's and the worker's CPU for a request) and ``token_seconds``; the ITL of
+  each request over the median is ``pace_spread``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
 
@@ -47,7 +49,7 @@ from tandem.up import free_port
 from tandem.up_config import ROUTER
 
 ISL, OSL = 32, 32
-CPU_REQUESTS = 30  # per CPU phase: enough CPU time to split per request and per token
+CPU_REQUESTS = 100  # per phase: CPU time to split per request and per token; stable quantiles
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 
 
@@ -249,16 +251,18 @@ def calibrate_serving(
     p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
     prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
     decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
-    step_overhead = max(0.0, itl[len(itl) // 2] - decode1 - row)
+    # One request at a time leaves a core free for the worker's streaming thread: its ITL is
+    # the step and the step's own overhead.
+    step_overhead = max(0.0, itl[len(itl) // 2] - decode1)
     # The first token's serving latency per request: its median, and its spread.
-    served = sorted(max(0.0, t[0] - prefill - step_overhead - row) for t in alone)
+    served = sorted(max(0.0, t[0] - prefill - step_overhead) for t in alone)
     router = served[len(served) // 2]
     # The first token's latency holds both processes' per-request CPU: the rest is the token's.
     request_part = min(router, max(router * 0.75, router_request + worker_request))
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
     handoff_gap = _low([t[1] - t[0] for t in pd])
-    predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead + row
+    predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
     return ServingCost(
         request_seconds=round(request_part, 6),
         token_seconds=round(router - request_part, 6),

@@ -84,8 +84,9 @@ class ServingCost:
     queues it; ``token_seconds``: a token from the engine thread to the client; ``handoff_seconds``:
     a prefill's final output back through the router to the decode worker's queue;
     ``step_seconds``: what a serving worker adds to each engine step (its thread's loop, KV event
-    publishing); ``row_seconds``: what each sequence of a step adds by streaming its token
-    (worker -> router -> client: CPU taken from the steps where they share cores). Measured by
+    publishing); ``row_seconds``: the worker's CPU to stream each token of a step (worker ->
+    router), on its HTTP thread after the step: it delays steps only where it takes a core they
+    need. Measured by
     ``tandem profile`` through a real `tandem up` (``tandem_pkg/calibrate.py``); these defaults
     are for a profile made without that stage.
 
