@@ -253,7 +253,8 @@ def main() -> None:
             profile = profile_model(model, out, args.quick, threads)
         rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
                           args.simulated_workers)  # fmt: skip
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        # After each model, so a later model's failure keeps the earlier figures.
+        (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")
     plot(rows, out / "plan_validation.png")
     print(table(rows))

@@ -6,7 +6,7 @@ request, a worker's own loop around each step, and the streaming of every token 
 router -> client), which on a machine where the router and workers share cores takes CPU from
 the steps themselves. Measured, with the profile's step model subtracted:
 
-- CPU, from each process's CPU time (``/proc``, per thread, in nanoseconds) over ``CPU_REQUESTS``
+- CPU, from each process's CPU time (``/proc/PID/stat``) over ``CPU_REQUESTS``
   one-at-a-time requests of ``OSL`` tokens and as many of one token: the router's per-request
   and per-token work (``router_request_cpu``, ``router_token_cpu``); the worker's per-token work
   beyond its decode step, streaming the token (``row_seconds``), and its per-request work
@@ -56,21 +56,27 @@ WARMUP = 6  # requests a fresh deployment serves before it is timed (its first o
 def _stream(
     client: httpx.Client, url: str, model: str, prompt: list[int], max_tokens: int = OSL
 ) -> list[float]:
-    """Seconds from sending to each streamed token. The client is made once and reused, as a
-    load generator's is: a new ``httpx`` client builds an SSL context (~10-20 ms), which is not
-    the router's time."""
+    """Seconds from sending to each streamed chunk with text; [] unless all ``max_tokens``
+    tokens were generated (``usage``). A token whose text is held back (an incomplete UTF-8
+    sequence, as a random model makes) arrives with a later chunk, so there may be fewer
+    times than tokens. The client is made once and reused, as a load generator's is: a new
+    ``httpx`` client builds an SSL context (~10-20 ms), which is not the router's time."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     times = []
+    tokens = 0
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"].get("completion_tokens", 0)
                 if (chunk.get("choices") or [{}])[0].get("text"):
                     times.append(time.perf_counter() - t0)
-    return times
+    return times if tokens == max_tokens else []
 
 
 class LocalUp:
@@ -120,15 +126,11 @@ class LocalUp:
                 self.proc.wait()
 
 
-def _task_cpu(proc: Path) -> float:
-    """CPU seconds of every live thread of a process (schedstat's first field, in ns)."""
-    total = 0
-    for task in (proc / "task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            continue  # the thread ended meanwhile
-    return total / 1e9
+def process_cpu(proc: Path) -> float:
+    """CPU seconds (user + system) a process has used, its ended threads included (``stat``;
+    clock-tick resolution, 10 ms: the phases are long enough for that)."""
+    fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu(pid: int) -> dict[str, float]:
@@ -143,7 +145,7 @@ def children_cpu(pid: int) -> dict[str, float]:
             if int(fields[1]) != pid:
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            cpu = _task_cpu(entry)
+            cpu = process_cpu(entry)
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not ours to read
         if len(argv) > 3 and argv[1:3] == [b"-m", b"tandem.cli"]:
@@ -175,7 +177,8 @@ def _low(values: list[float]) -> float:
 
 
 def _complete(runs: list[list[float]]) -> list[list[float]]:
-    return [t for t in runs if len(t) == OSL]
+    """Answers of all OSL tokens with a first token and a later one to time."""
+    return [t for t in runs if len(t) >= 2]
 
 
 def calibrate_serving(
@@ -234,7 +237,7 @@ def calibrate_serving(
     # Per request, the mean gap after the first token (guidellm's ITL, the planner's target):
     # streamed tokens arrive in bursts (several in one read, then a longer gap), so a quantile
     # of single gaps says nothing about the pace.
-    itl = sorted((t[-1] - t[1]) / (len(t) - 2) for t in alone)
+    itl = sorted((t[-1] - t[0]) / (OSL - 1) for t in alone)
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
     prefill = step.step_seconds([(ISL, 0)])
     # CPU: a one-token request costs each process its per-request work; the OSL - 1 further
@@ -261,7 +264,9 @@ def calibrate_serving(
     request_part = min(router, max(router * 0.75, router_request + worker_request))
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
-    handoff_gap = _low([t[1] - t[0] for t in pd])
+    # The hand-off gap needs the second chunk to be the second token (decode's first).
+    whole = [t for t in pd if len(t) == OSL]
+    handoff_gap = _low([t[1] - t[0] for t in whole]) if whole else 0.0
     predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
     return ServingCost(
         request_seconds=round(request_part, 6),
@@ -276,7 +281,7 @@ def calibrate_serving(
         decode_request_cpu=round(decode_request, 6),
         request_spread=quantiles(served),
         pace_spread=quantiles([v / itl[len(itl) // 2] for v in itl]) if itl[len(itl) // 2] else (),
-        pace_seconds=round(sorted(t[-1] - t[1] for t in alone)[len(alone) // 2], 6),
+        pace_seconds=round(sorted(t[-1] - t[0] for t in alone)[len(alone) // 2], 6),
     )
 
 

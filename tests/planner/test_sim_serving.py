@@ -116,3 +116,24 @@ def test_each_role_pays_its_own_measured_request_cpu() -> None:
     # step pays 5 ms, which the first decode gap carries: ITL over 2 gaps grows by 2.5 ms.
     assert t.ttft == pytest.approx(base.ttft + 0.002)
     assert t.itl == pytest.approx(base.itl + 0.0025)
+
+
+def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
+    # Four streams at once on one colocated worker; streaming a token costs its HTTP thread
+    # 20 ms (longer than a 10.4 ms decode step), so that thread is always busy while the
+    # streams run. With a core of its own (2 cores, 1 engine thread) the steps are untouched;
+    # on 1 shared core each step is stretched 2x (engine + streaming thread); with no shared
+    # cores (an accelerator) streaming never slows a step.
+    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
+                 arrival=Arrival.CONSTANT)  # fmt: skip
+    rows = replace(PROFILE, serving=replace(BASE, row_seconds=0.02))
+
+    def itl(profile, cores: int | None) -> float:  # noqa: ANN001 - a Profile
+        r = simulate(profile, w, Deployment(0, 1),
+                     SimOptions(shared_cores=cores, variability=False))  # fmt: skip
+        return r.itl.p50
+
+    base = itl(PROFILE, None)
+    assert itl(rows, None) == pytest.approx(base)
+    assert itl(rows, 2) == pytest.approx(base)
+    assert itl(rows, 1) == pytest.approx(2 * base, rel=0.05)
