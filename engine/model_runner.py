@@ -15,7 +15,7 @@ import torch
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow, argmax_only
 
@@ -58,50 +58,39 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host).
 
-        Per step and per sequence, so it stays in plain Python for decode rows (one token) and
-        uses numpy only for prefill chunks.
+        A decode-only step (one token per row, the steady state) takes one list comprehension
+        per field and numpy for the rest; steps with prefill chunks go row by row.
         """
         bs = self.layout.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qlens: list[int] = []
-        slens: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        sample_reqs: list[Request] = []
-        max_blocks = 0
-        for s in out.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = req.block_ids
-            if s.num_new_tokens == 1:
-                ids.append(req.all_token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids.extend(req.all_token_ids[start:end])
-                pos = np.arange(start, end, dtype=np.int64)
-                positions.extend(pos.tolist())
-                slots.extend(
-                    (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
-                )
-            qlens.append(s.num_new_tokens)
-            slens.append(end)
-            max_blocks = max(max_blocks, len(table))
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_ids.append(req.request_id)
-                sample_reqs.append(req)
-        block_tables = _block_tables([s.request.block_ids for s in out.scheduled], max_blocks)
+        sched = out.scheduled
+        reqs = [s.request for s in sched]
+        qlens = [s.num_new_tokens for s in sched]
+        starts = [r.num_computed_tokens for r in reqs]
+        tables = [r.block_ids for r in reqs]
+        block_tables = _block_tables(tables, max(map(len, tables)))
+        sample_seqs = [i for i, s in enumerate(sched) if s.sample]
+        if len(qlens) == sum(qlens):
+            ids = [r.all_token_ids[c] for r, c in zip(reqs, starts, strict=True)]
+            pos = np.array(starts, dtype=np.int64)
+            rows = np.arange(len(starts))
+            slot_array = block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            sample_rows = sample_seqs
+            positions = torch.from_numpy(pos)
+            slot_mapping = torch.from_numpy(slot_array)
+            slens = (pos + 1).tolist()
+        else:
+            ids, pos_list, slots, sample_rows = _packed_rows(sched, bs)
+            positions = torch.tensor(pos_list, dtype=torch.int64)
+            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            slens = [c + n for c, n in zip(starts, qlens, strict=True)]
+        sample_reqs = [reqs[i] for i in sample_seqs]
         dev = self.device
         seq_lens = torch.tensor(slens, dtype=torch.int32)
         query_lens = torch.tensor(qlens, dtype=torch.int32)
         qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            slot_mapping=slot_mapping.to(dev),
             query_start_loc=qsl.to(dev),
             seq_lens=seq_lens.to(dev),
             context_lens=(seq_lens - query_lens).to(dev),
@@ -113,10 +102,10 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            positions=positions.to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            sample_request_ids=sample_ids,
+            sample_request_ids=[r.request_id for r in sample_reqs],
             sample_requests=sample_reqs,
         )
 
@@ -137,7 +126,8 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         reqs = inputs.sample_requests
-        if argmax_only([r.params for r in reqs]):
+        # Requests often share one SamplingParams: check each distinct one once.
+        if argmax_only(list({id(r.params): r.params for r in reqs}.values())):
             # All greedy without penalties or logprobs (the common batch): no SamplingRows.
             tokens = self.sampler.greedy(logits)
             result.sampled_token_ids = dict(zip(inputs.sample_request_ids, tokens, strict=True))
@@ -158,6 +148,34 @@ class ModelRunner:
             result.sampled_token_ids[rid] = tok
             result.logprobs[rid] = lp
         return result
+
+
+def _packed_rows(
+    sched: list[ScheduledRequest], bs: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Token ids, positions and KV slots of every row of a step with prefill chunks, and the
+    packed row whose logits each sampled request needs."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    for i, s in enumerate(sched):
+        req = s.request
+        start = req.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = req.block_ids
+        if s.num_new_tokens == 1:
+            ids.append(req.all_token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            ids.extend(req.all_token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.extend(pos.tolist())
+            slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+        if s.sample:
+            sample_rows.append(len(ids) - 1)
+    return ids, positions, slots, sample_rows
 
 
 def _block_tables(tables: list[list[int]], width: int) -> np.ndarray:
