@@ -278,26 +278,42 @@ class Scheduler:
         Returns the requests that produced a token or finished this step.
         """
         changed: list[Request] = []
+        finished: list[Request] = []
         kv = self.kv
         sampled = result.sampled_token_ids
         running_status = RequestStatus.RUNNING
-        for s in out.scheduled:
-            req = s.request
-            if req.status != running_status:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
-            kv.cache_blocks(req, req.num_computed_tokens)
-            if not s.sample:
-                continue
-            req.prompt_done_once = True
-            token = sampled[req.request_id]
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
-            if status is None and req.remote_decode:
-                status = RequestStatus.FINISHED_REMOTE_DECODE
-            if status is not None:
-                self._finish(req, status)
-            changed.append(req)
+        max_model_len = self.config.max_model_len
+        try:
+            for s in out.scheduled:
+                req = s.request
+                if req.status != running_status:
+                    continue  # aborted while the step ran
+                req.num_computed_tokens += s.num_new_tokens
+                kv.cache_blocks(req, req.num_computed_tokens)
+                if not s.sample:
+                    continue
+                req.prompt_done_once = True
+                token = sampled[req.request_id]
+                req.append_output_token(token)
+                changed.append(req)
+                # The common token ends nothing: only a possible stop takes the full check.
+                if (
+                    token in req.eos_token_ids
+                    or req.params.stop_token_ids
+                    or len(req.output_token_ids) >= req.max_tokens
+                    or len(req.all_token_ids) >= max_model_len
+                    or req.remote_decode
+                ):
+                    status = self._check_stop(req, token)
+                    if status is None and req.remote_decode:
+                        status = RequestStatus.FINISHED_REMOTE_DECODE
+                    if status is not None:
+                        finished.append(req)
+                        self._finish(req, status)
+        finally:  # a step that raised midway leaves no ended request in running
+            if finished:
+                gone = set(map(id, finished))
+                self.running[:] = [r for r in self.running if id(r) not in gone]
         return changed
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -315,9 +331,9 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request that ran this step (update() then drops the step's ended ones from
+        ``running`` at once)."""
         req.status = status
-        if req in self.running:
-            self.running.remove(req)
         if status == RequestStatus.FINISHED_REMOTE_DECODE:
             self.pinned[req.request_id] = req
         else:
