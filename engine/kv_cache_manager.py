@@ -44,6 +44,10 @@ class KVCacheManager:
         # Per table: its leading blocks known to carry a hash (they keep it while held, since
         # only free blocks are evicted), so cache_blocks() resumes there instead of rescanning.
         self._num_hashed: dict[str, int] = {}
+        # Tables whose mark stopped short of their full computed blocks: a duplicate (its hash
+        # cached under another block) may become cacheable later. While this is empty, a block
+        # can only become cacheable by becoming full, which lets Scheduler.update skip the call.
+        self.lagging: set[str] = set()
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.host_hit_tokens = 0
@@ -121,12 +125,17 @@ class KVCacheManager:
             if mark == i and block.block_hash is not None:
                 mark += 1  # a duplicate (its hash held by another block) stops the mark
         self._num_hashed[rid] = mark
+        if mark < num_full:
+            self.lagging.add(rid)
+        else:
+            self.lagging.discard(rid)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so shared prefixes stay cached longest),
         and its swapped-out copy if it has one."""
         blocks = self._blocks.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self.lagging.discard(request.request_id)
         self.pool.free_blocks(list(reversed(blocks)))
         request.block_ids = []
         if self.tier is not None:
@@ -179,6 +188,7 @@ class KVCacheManager:
             return False
         blocks = self._blocks.pop(request.request_id)
         self._num_hashed.pop(request.request_id, None)
+        self.lagging.discard(request.request_id)
         self.pool.free_blocks(list(reversed(blocks)))
         request.block_ids = []
         return True
@@ -225,6 +235,7 @@ class KVCacheManager:
         """Free the blocks of a table whose request the scheduler no longer holds (recovery
         after a failed step, ``engine/recovery.py``)."""
         self._num_hashed.pop(request_id, None)
+        self.lagging.discard(request_id)
         self.pool.free_blocks(list(reversed(self._blocks.pop(request_id, []))))
 
     def check_integrity(self) -> None:

@@ -283,13 +283,19 @@ class Scheduler:
         sampled = result.sampled_token_ids
         running_status = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
+        bs = kv.block_size
         try:
             for s in out.scheduled:
                 req = s.request
                 if req.status != running_status:
                     continue  # aborted while the step ran
-                req.num_computed_tokens += s.num_new_tokens
-                kv.cache_blocks(req, req.num_computed_tokens)
+                num_new = s.num_new_tokens
+                computed = req.num_computed_tokens + num_new
+                req.num_computed_tokens = computed
+                # Every full block had its try when it became full (here, or where a load ends):
+                # unless a block became full now or a table lags, there is nothing to cache.
+                if num_new > 1 or computed % bs == 0 or kv.lagging:
+                    kv.cache_blocks(req, computed)
                 if not s.sample:
                     continue
                 req.prompt_done_once = True
