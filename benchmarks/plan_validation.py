@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 from replay_load import Measured, replay
 
 from tandem.calibrate import LocalUp
+from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles
 from tandem.planner.simulator import Deployment, SimOptions, simulate
@@ -72,18 +72,23 @@ def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
 
 
 def rates(profile: Profile, isl: int, osl: int) -> dict[str, float]:
-    """Light and moderate loads: 30% and 60% of what one worker does one request at a time."""
-    step = profile.step
-    alone = step.step_seconds([(isl, 0)]) + sum(
-        step.step_seconds([(1, isl + i)]) for i in range(osl - 1)
-    )
+    """Light and moderate loads: 30% and 60% of what one worker serves one request at a time,
+    the whole path included (the simulator's end-to-end latency of a lone request: router,
+    prefill, every decode step and the streaming of each token). Counting the engine's steps
+    alone would put "moderate" past what the router and the worker shell can stream on a
+    machine where a step costs less than the Python around it (the demo model on a CPU)."""
+    lone = Workload(rate=1.0, isl=Lengths(isl), osl=Lengths(osl), num_requests=1)
+    alone = simulate(
+        profile, lone, Deployment(prefill=0, decode=1), SimOptions(seed=0, variability=False)
+    ).e2e.p50
     return {"light": round(0.3 / alone, 3), "moderate": round(0.6 / alone, 3)}
 
 
-def profile_model(model: str, out: Path, quick: bool) -> Path:
+def profile_model(model: str, out: Path, quick: bool, threads: int) -> Path:
     path = out / f"profile-{Path(model).name}.json"
     cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
-           "--transports", "tcp"] + (["--quick"] if quick else [])  # fmt: skip
+           "--transports", "tcp", "--threads", str(threads)]  # fmt: skip
+    cmd += ["--quick"] if quick else []
     subprocess.run(cmd, check=True)
     return path
 
@@ -95,6 +100,7 @@ def _p90(values: list[float]) -> float:
 def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
               cores: int | None, simulated: bool) -> list[Row]:  # fmt: skip
     profile = load_profile(profile_path)
+    threads = profile.hardware.get("torch_threads", 1)
     rows = []
     shapes = workloads(profile.model.max_model_len)
     if quick:
@@ -115,8 +121,9 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                 )  # fmt: skip
                 logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}"
                 logs.mkdir(parents=True, exist_ok=True)
+                # Every deployment's workers run the threads the profile's steps were timed with.
                 args = ["--model", model, "--prefill", str(p), "--decode", str(d),
-                        "--kv-transport", "tcp"]  # fmt: skip
+                        "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
                 if simulated:
                     args += ["--simulate", str(profile_path)]
                 with LocalUp(args, p + d, logs) as up:
@@ -125,7 +132,12 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                 dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
                 # Simulated workers wait their steps: they share no cores in the simulator.
                 shared = None if simulated else cores
-                sim = simulate(profile, w, dep, SimOptions(seed=0, shared_cores=shared))
+                sim = simulate(
+                    profile,
+                    w,
+                    dep,
+                    SimOptions(seed=0, shared_cores=shared, variability=not simulated),
+                )
                 ok = [m for m in measured if m.error is None]
                 row = Row(
                     model=Path(model).name, workload=wname, load=lname, rate=rate,
@@ -207,8 +219,15 @@ def main() -> None:
     ap.add_argument(
         "--cores",
         type=int,
-        default=os.cpu_count() or 1,
+        default=available_cpus(),
         help="cores the workers share (the simulator's shared_cores)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="each worker's engine threads, profiled and served alike (default: what `tandem "
+        "up` gives each of two workers on --cores: one core left for the router and client)",
     )
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
     ap.add_argument(
@@ -227,7 +246,11 @@ def main() -> None:
             from offline_throughput import write_random_llama
 
             model = write_random_llama(hidden=512, layers=4)
-        profile = Path(given[name]) if name in given else profile_model(model, out, args.quick)
+        threads = args.threads or split_threads(args.cores, 2)
+        if name in given:
+            profile = Path(given[name])
+        else:
+            profile = profile_model(model, out, args.quick, threads)
         rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
                           args.simulated_workers)  # fmt: skip
     (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))

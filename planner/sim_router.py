@@ -7,10 +7,17 @@ decode worker. What the router knows is modelled as it is: prefix overlap from a
 ``PrefixIndex`` fed by the workers' KV events (after ``event_seconds``), load from heartbeats
 (each worker's snapshot refreshed every ``heartbeat_seconds``, so it lags), and its own in-flight
 counts (exact). Client-side times add the profile's serving latencies.
+
+A router process is one event loop: its CPU work on each request (``router_request_cpu``) and
+each streamed token (``router_token_cpu``) is served first come, first served, so at high token
+rates tokens and placements queue behind each other, as they do in the real router. Each request
+is served by one of ``RouterConfig.routers`` such loops (round robin, as a load balancer spreads
+connections); the rest of each serving latency is a plain delay.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +43,30 @@ class RouterConfig:
     prefill_overload_queue: int = 0
     heartbeat_seconds: float = 1.0
     event_seconds: float = 0.0005
+    routers: int = 1
+
+
+class RouterLoop:
+    """One router process's event loop as a single FIFO server on the virtual clock."""
+
+    __slots__ = ("loop", "busy_until", "busy_seconds")
+
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+        self.busy_until = 0.0
+        self.busy_seconds = 0.0
+
+    def serve(self, cpu: float, latency: float, then: Callable[[], None]) -> None:
+        """Run ``then`` once ``cpu`` seconds of this loop's time (after the work queued before
+        it) and the rest of ``latency`` have passed; in order for equal latencies."""
+        start = max(self.loop.now, self.busy_until)
+        self.busy_until = start + cpu
+        self.busy_seconds += cpu
+        self.loop.at(self.busy_until + max(0.0, latency - cpu), then)
+
+    @property
+    def busy(self) -> bool:
+        return self.busy_until > self.loop.now
 
 
 class SimRouter:
@@ -50,7 +81,10 @@ class SimRouter:
         block_size: int,
         eos_token_ids: frozenset[int],
         on_done: Callable[[RequestTrace], None],
+        seed: int | None = None,
     ) -> None:
+        """``seed``: draw each request's serving latency from ``serving.request_spread``
+        (seeded); None: every request gets ``serving.request_seconds``."""
         self.loop = loop
         self.placer = placer
         self.config = config
@@ -69,6 +103,19 @@ class SimRouter:
         self.gaps: list[float] = []  # every gap the client sees
         self.decode_gaps: list[float] = []  # every gap after the router's first token
         self.placements: dict[str, int] = {}
+        if config.routers < 1:
+            raise ValueError("a deployment needs at least one router")
+        self.loops = [RouterLoop(loop) for _ in range(config.routers)]
+        self._loop_of: dict[str, RouterLoop] = {}
+        self._arrivals = 0
+        spread = serving.request_spread if seed is not None else ()
+        self._spread = spread
+        self._rng = random.Random(seed)
+
+    @property
+    def busy_loops(self) -> int:
+        """Router loops with work queued now (CPU the workers' steps compete with)."""
+        return sum(1 for r in self.loops if r.busy)
 
     @property
     def callbacks(self) -> WorkerCallbacks:
@@ -94,7 +141,14 @@ class SimRouter:
         """At ``wr.arrival``: the client sends; placement after the router's own latency."""
         trace = RequestTrace(wr.arrival, len(wr.prompt_token_ids), wr.max_tokens)
         self._traces[rid] = trace
-        self.loop.after(self.serving.request_seconds, lambda: self._place(rid, wr, trace))
+        router = self.loops[self._arrivals % len(self.loops)]
+        self._arrivals += 1
+        self._loop_of[rid] = router
+        sv = self.serving
+        latency = sv.request_seconds
+        if self._spread:  # the first token's measured latency, less the token's own part
+            latency = max(sv.router_request_cpu, self._rng.choice(self._spread) - sv.token_seconds)
+        router.serve(sv.router_request_cpu, latency, lambda: self._place(rid, wr, trace))
 
     def _candidates(self, workers: list[SimWorker], hashes: list) -> list[Candidate]:
         out = []
@@ -202,9 +256,11 @@ class SimRouter:
             if final:
                 self._finish(rid)
 
-        self.loop.after(self.serving.token_seconds, deliver)
+        sv = self.serving
+        self._loop_of[rid].serve(sv.router_token_cpu, sv.token_seconds, deliver)
 
     def _finish(self, rid: str) -> None:
+        self._loop_of.pop(rid, None)
         trace = self._traces.pop(rid)
         trace.finished = True
         self._on_done(trace)

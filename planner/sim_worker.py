@@ -68,6 +68,7 @@ class SimWorker:
         slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
         step_overhead: float = 0.0,
         row_overhead: float = 0.0,
+        request_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -83,6 +84,13 @@ class SimWorker:
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
+        # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
+        # with the next one where a core is free: CPU the shared-core slowdown counts while
+        # ``shell_busy_until`` is ahead, not time added to the step.
+        self.shell_busy_until = 0.0
+        # The HTTP side's work on each request sent here, taken from the next step (one GIL).
+        self._request_overhead = request_overhead
+        self._owed = 0.0
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -104,6 +112,10 @@ class SimWorker:
         self.history: list[list[tuple[str, int]]] | None = None  # per step, when recording
 
     @property
+    def shell_busy(self) -> bool:
+        return self.shell_busy_until > self.loop.now
+
+    @property
     def load(self) -> WorkerLoad:
         s = self.scheduler
         return WorkerLoad(len(s.running) + len(s.loading), len(s.waiting), self.pool.usage)
@@ -112,6 +124,7 @@ class SimWorker:
         """A request reaches the engine thread: role check, queue, wake."""
         self.hooks.on_admit(req)
         self.scheduler.add_request(req)
+        self._owed += self._request_overhead
         self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
         self.wake()
 
@@ -145,7 +158,8 @@ class SimWorker:
         rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         if self.history is not None:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        serving = self._overhead + self._row_overhead * len(rows)
+        serving = self._overhead + self._owed
+        self._owed = 0.0
         seconds = (self.cost.step_seconds(rows) + serving) * self._slowdown(self)
         self.busy = True
         self.steps += 1
@@ -155,6 +169,8 @@ class SimWorker:
     def _finish(self, out: SchedulerOutput) -> None:
         changed = self.scheduler.update(out, sample(out, self._tokens))
         self._track_usage()
+        now = self.loop.now
+        self.shell_busy_until = max(now, self.shell_busy_until) + self._row_overhead * len(changed)
         for req in changed:
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
                 final = EngineOutput(req.request_id, req.group_id, 0, [], True)

@@ -10,13 +10,15 @@ the unfinished requests then count as infinite TTFT). Deterministic for a seed.
 
 ``SimOptions.shared_cores``: the workers share one machine's CPU cores (``tandem up`` on a CPU
 host, each worker's step using the profile's ``torch_threads``): a step that starts while the
-busy workers want more threads than there are cores takes longer by that ratio. Off (None) for
+busy workers (and the router loops with work queued, one thread each) want more threads than
+there are cores takes longer by that ratio. Off (None) for
 a deployment where each worker has its own accelerator, and for simulated workers (their steps
 wait; they do not compute).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -43,10 +45,13 @@ class Deployment:
     prefill_overload_queue: int = 0
     policy: str = "prefix-aware"
     kv_transport: str = "tcp"
+    routers: int = 1  # router processes, each one event loop (sim_router.RouterLoop)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError("a deployment needs prefill >= 0 and decode >= 1 workers")
+        if self.routers < 1:
+            raise ValueError("a deployment needs at least one router")
         Policy.parse(self.policy)
 
     @property
@@ -67,6 +72,9 @@ class SimOptions:
     seed: int = 0
     max_in_flight: int | None = None  # None: 2 x the deployment's total max_num_seqs, >= 256
     shared_cores: int | None = None
+    # Draw the profile's measured variability (ServingCost.request_spread, pace_spread): off
+    # for simulated workers, whose steps are waits the machine's pace does not change.
+    variability: bool = True
     record_history: bool = False  # keep each worker's per-step schedule (tests)
 
 
@@ -79,13 +87,37 @@ class Simulation:
     router: SimRouter
 
 
-def _slowdown(cores: int | None, threads: int, workers: list[SimWorker]):  # noqa: ANN202
-    if cores is None:
-        return lambda _w: 1.0
+class MachinePace:
+    """The machine's pace over time: constant over windows of ``seconds``, each window's
+    factor drawn (seeded) from ``spread``; 1.0 throughout when there is no spread. Every
+    worker's step is stretched by the factor of the window it starts in."""
 
-    def factor(_w: SimWorker) -> float:
-        busy = 1 + sum(1 for w in workers if w.busy)
-        return max(1.0, busy * threads / cores)
+    def __init__(self, spread: tuple[float, ...], seconds: float, seed: int) -> None:
+        self._spread = spread if seconds > 0 else ()
+        self._seconds = seconds
+        self._rng = random.Random(seed)
+        self._factors: list[float] = []
+
+    def at(self, t: float) -> float:
+        if not self._spread:
+            return 1.0
+        window = int(t / self._seconds)
+        while len(self._factors) <= window:
+            self._factors.append(self._rng.choice(self._spread))
+        return self._factors[window]
+
+
+def _slowdown(cores: int | None, threads: int, workers: list[SimWorker], router: SimRouter,
+              pace: MachinePace):  # noqa: ANN202 # fmt: skip
+    def factor(w: SimWorker) -> float:
+        if cores is None:
+            return pace.at(w.loop.now)
+        # The starting worker's threads, the busy ones', each worker thread still streaming
+        # tokens and each router loop with work queued (one thread each) against the cores.
+        busy = 1 + sum(1 for x in workers if x.busy)
+        shells = sum(1 for x in workers if x.shell_busy)
+        demand = busy * threads + shells + router.busy_loops
+        return max(1.0, demand / cores) * pace.at(w.loop.now)
 
     return factor
 
@@ -107,15 +139,20 @@ def run_simulation(
     done: list[RequestTrace] = []
     router = SimRouter(
         loop, Placer(Policy.parse(dep.policy)),
-        RouterConfig(dep.local_prefill_threshold, dep.prefill_overload_queue),
+        RouterConfig(dep.local_prefill_threshold, dep.prefill_overload_queue,
+                     routers=dep.routers),
         profile.serving, e.block_size, frozenset(profile.model.eos_token_ids), done.append,
+        seed=options.seed if options.variability else None,
     )  # fmt: skip
     roles = [Role.PREFILL] * dep.prefill
     roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
     workers: list[SimWorker] = []
     threads = profile.hardware.get("torch_threads", 1)
     threads = threads if type(threads) is int and threads > 0 else 1
-    slowdown = _slowdown(options.shared_cores, threads, workers)
+    sv = profile.serving
+    pace = MachinePace(sv.pace_spread if options.variability else (), sv.pace_seconds,
+                       options.seed)  # fmt: skip
+    slowdown = _slowdown(options.shared_cores, threads, workers, router, pace)
     num_blocks = dep.num_blocks or e.num_blocks
     counts: dict[Role, int] = {}
     for i, role in enumerate(roles):
@@ -124,7 +161,7 @@ def run_simulation(
         w = SimWorker(
             loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
             profile.model.sim_token_ids, fabric, router.callbacks, slowdown,
-            profile.serving.step_seconds, profile.serving.row_seconds,
+            sv.step_seconds, sv.row_seconds, sv.request_cpu(role),
         )  # fmt: skip
         if options.record_history:
             w.history = []

@@ -6,16 +6,25 @@ request, a worker's own loop around each step, and the streaming of every token 
 router -> client), which on a machine where the router and workers share cores takes CPU from
 the steps themselves. Measured, with the profile's step model subtracted:
 
-- colocated, one request at a time: the gap between tokens minus the predicted decode step is
-  ``step_seconds``; the first token minus the predicted prefill step is the router's part,
-  split 3:1 into ``request_seconds`` and ``token_seconds`` (a client sees only their sum);
-- colocated, ``CONCURRENT`` requests at once: the extra gap per additional stream in the batch
-  is ``row_seconds``;
+- CPU, from each process's CPU time (``/proc``, per thread, in nanoseconds) over ``CPU_REQUESTS``
+  one-at-a-time requests of ``OSL`` tokens and as many of one token: the router's per-request
+  and per-token work (``router_request_cpu``, ``router_token_cpu``); the worker's per-token work
+  beyond its decode step, streaming the token (``row_seconds``), and its per-request work
+  beyond the prefill step (``worker_request_cpu``); over as many 1P1D requests, each side's per
+  request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
+  and its half of the KV transfer);
+- colocated, one request at a time: the median ITL (per request, the mean gap after the first
+  token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
+  thread, so its rows are off the step's path); the first token minus the predicted prefill
+  step is the router's part (median, and ``request_spread``), split into ``request_seconds``
+  (at least the router's and the worker's CPU for a request) and ``token_seconds``; the ITL of
+  each request over the median is ``pace_spread``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
 
-Each is a lower quartile over the requests, as the step times are (``engine/sim/profiler.py``):
-other work on the machine only ever adds to a latency.
+Latencies are lower quartiles over the requests, as the step times are
+(``engine/sim/profiler.py``): other work on the machine only ever adds to a latency; the ITL is
+a median, since its tail is what the planner predicts.
 """
 
 from __future__ import annotations
@@ -28,8 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -38,18 +46,24 @@ from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
+from tandem.up_config import ROUTER
 
-ISL, OSL, CONCURRENT = 32, 12, 8
+ISL, OSL = 32, 32
+CPU_REQUESTS = 100  # per phase: CPU time to split per request and per token; stable quantiles
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 
 
-def _stream(url: str, model: str, prompt: list[int]) -> list[float]:
-    """Seconds from sending to each streamed token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": OSL, "temperature": 0.0,
+def _stream(
+    client: httpx.Client, url: str, model: str, prompt: list[int], max_tokens: int = OSL
+) -> list[float]:
+    """Seconds from sending to each streamed token. The client is made once and reused, as a
+    load generator's is: a new ``httpx`` client builds an SSL context (~10-20 ms), which is not
+    the router's time."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     t0 = time.perf_counter()
     times = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -106,9 +120,50 @@ class LocalUp:
                 self.proc.wait()
 
 
-def _up(model: str, prefill: int, transport: str, options: Sequence[str], log_dir: Path) -> LocalUp:
+def _task_cpu(proc: Path) -> float:
+    """CPU seconds of every live thread of a process (schedstat's first field, in ns)."""
+    total = 0
+    for task in (proc / "task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return total / 1e9
+
+
+def children_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each child of ``pid`` (a `tandem up`), by its `tandem` subcommand
+    (``router``, ``colocated``, ...); {} where /proc cannot say."""
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != pid:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            cpu = _task_cpu(entry)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        if len(argv) > 3 and argv[1:3] == [b"-m", b"tandem.cli"]:
+            name = argv[3].decode()
+            out[name] = out.get(name, 0.0) + cpu
+    return out
+
+
+def _cpu_per_request(up: LocalUp, run: Callable[[], int]) -> dict[str, float]:
+    """Each child's CPU seconds per request over ``run`` (which returns how many it sent)."""
+    before = children_cpu(up.proc.pid)
+    n = run()
+    after = children_cpu(up.proc.pid)
+    return {k: (v - before.get(k, 0.0)) / n for k, v in after.items()} if n else {}
+
+
+def _up(model: str, prefill: int, transport: str, options: Sequence[str], threads: int,
+        log_dir: Path) -> LocalUp:  # fmt: skip
     args = ["--model", model, "--prefill", str(prefill), "--decode", "1",
-            "--kv-transport", transport]  # fmt: skip
+            "--kv-transport", transport, "--worker-threads", str(threads)]  # fmt: skip
     for opt in options:
         args += ["--engine-option", opt]
     return LocalUp(args, prefill + 1, log_dir, f"up-{prefill}")
@@ -125,10 +180,14 @@ def _complete(runs: list[list[float]]) -> list[list[float]]:
 
 def calibrate_serving(
     profile: Profile, model: str, transport: str, options: Sequence[str] = (),
-    requests: int = 12,
+    requests: int = 12, threads: int | None = None,
 ) -> ServingCost:  # fmt: skip
     """The profile's ServingCost measured on this machine; ValueError if nothing was measured.
-    ``options`` are the engine options (``key=value``) the workers run with."""
+    ``options`` are the engine options (``key=value``) the workers run with, ``threads`` each
+    worker's engine threads (default: the profile's, the threads its steps were timed with)."""
+    if threads is None:
+        recorded = profile.hardware.get("torch_threads", 1)
+        threads = recorded if type(recorded) is int and recorded > 0 else 1
     step = profile.step
     rng = random.Random(0)
     tokens = profile.model.sim_token_ids
@@ -138,39 +197,90 @@ def calibrate_serving(
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _up(model, 0, transport, options, log_dir) as up:
-        for _ in range(WARMUP):
-            _stream(up.url, model, prompt())
-        alone = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
-        with ThreadPoolExecutor(CONCURRENT) as pool:
-            batch = []
-            for _ in range(3):
-                prompts = [prompt() for _ in range(CONCURRENT)]
-                batch += _complete(list(pool.map(lambda p: _stream(up.url, model, p), prompts)))
-    with _up(model, 1, transport, options, log_dir) as up:
-        for _ in range(WARMUP):
-            _stream(up.url, model, prompt())
-        pd = _complete([_stream(up.url, model, prompt()) for _ in range(requests)])
-    if not alone or not batch or not pd:
+    with httpx.Client(timeout=120) as client:
+
+        def stream(up: LocalUp, p: list[int], max_tokens: int = OSL) -> list[float]:
+            return _stream(client, up.url, model, p, max_tokens)
+
+        with _up(model, 0, transport, options, threads, log_dir) as up:
+            for _ in range(WARMUP):
+                stream(up, prompt())
+            alone: list[list[float]] = []
+
+            def serial() -> int:
+                alone.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
+                return CPU_REQUESTS
+
+            def one_token() -> int:
+                for _ in range(CPU_REQUESTS):
+                    stream(up, prompt(), max_tokens=1)
+                return CPU_REQUESTS
+
+            cpu_long = _cpu_per_request(up, serial)
+            cpu_short = _cpu_per_request(up, one_token)
+        with _up(model, 1, transport, options, threads, log_dir) as up:
+            for _ in range(WARMUP):
+                stream(up, prompt())
+            pd: list[list[float]] = []
+
+            def disaggregated() -> int:
+                pd.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
+                return CPU_REQUESTS
+
+            cpu_pd = _cpu_per_request(up, disaggregated)
+    if not alone or not pd:
         raise ValueError("the serving calibration got no complete answers")
 
-    def gaps(runs: list[list[float]]) -> list[float]:
-        return [t[i + 1] - t[i] for t in runs for i in range(1, len(t) - 1)]
-
+    # Per request, the mean gap after the first token (guidellm's ITL, the planner's target):
+    # streamed tokens arrive in bursts (several in one read, then a longer gap), so a quantile
+    # of single gaps says nothing about the pace.
+    itl = sorted((t[-1] - t[1]) / (len(t) - 2) for t in alone)
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
-    step_overhead = max(0.0, _low(gaps(alone)) - decode1)
-    decode_n = step.step_seconds([(1, ISL + OSL // 2)] * CONCURRENT)
-    per_row = (_low(gaps(batch)) - decode_n - step_overhead) / (CONCURRENT - 1)
-    first = _low([t[0] for t in alone])
-    router = max(0.0, first - step.step_seconds([(ISL, 0)]) - step_overhead)
+    prefill = step.step_seconds([(ISL, 0)])
+    # CPU: a one-token request costs each process its per-request work; the OSL - 1 further
+    # tokens of a full one their per-token work (the worker's includes its decode steps, on
+    # every engine thread: OpenMP's threads spin while they wait, so CPU ~ threads x wall).
+    r_short, r_long = cpu_short.get(ROUTER, 0.0), cpu_long.get(ROUTER, 0.0)
+    router_token = max(0.0, (r_long - r_short) / (OSL - 1))
+    router_request = max(0.0, r_short - router_token)
+    w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
+    row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
+    worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
+    # P/D: each side's CPU per request beyond its steps (and the decode side's rows) is its
+    # request handling plus its half of the KV transfer.
+    p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
+    prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
+    decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
+    # One request at a time leaves a core free for the worker's streaming thread: its ITL is
+    # the step and the step's own overhead.
+    step_overhead = max(0.0, itl[len(itl) // 2] - decode1)
+    # The first token's serving latency per request: its median, and its spread.
+    served = sorted(max(0.0, t[0] - prefill - step_overhead) for t in alone)
+    router = served[len(served) // 2]
+    # The first token's latency holds both processes' per-request CPU: the rest is the token's.
+    request_part = min(router, max(router * 0.75, router_request + worker_request))
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
     handoff_gap = _low([t[1] - t[0] for t in pd])
     predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
     return ServingCost(
-        request_seconds=round(router * 0.75, 6),
-        token_seconds=round(router * 0.25, 6),
+        request_seconds=round(request_part, 6),
+        token_seconds=round(router - request_part, 6),
         handoff_seconds=round(max(0.0, handoff_gap - predicted), 6),
         step_seconds=round(step_overhead, 6),
-        row_seconds=round(max(0.0, per_row), 7),
+        row_seconds=round(row, 7),
+        router_request_cpu=round(router_request, 6),
+        router_token_cpu=round(router_token, 7),
+        worker_request_cpu=round(max(0.0, worker_request), 6),
+        prefill_request_cpu=round(prefill_request, 6),
+        decode_request_cpu=round(decode_request, 6),
+        request_spread=quantiles(served),
+        pace_spread=quantiles([v / itl[len(itl) // 2] for v in itl]) if itl[len(itl) // 2] else (),
+        pace_seconds=round(sorted(t[-1] - t[1] for t in alone)[len(alone) // 2], 6),
     )
+
+
+def quantiles(values: Sequence[float], n: int = 10) -> tuple[float, ...]:
+    """``n`` evenly spaced quantiles (the 5th, 15th, ... percentiles for 10) of ``values``."""
+    v = sorted(values)
+    return tuple(round(v[min(len(v) - 1, int((i + 0.5) / n * len(v)))], 6) for i in range(n))

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default="tcp,ucx",
                    help="comma-separated KV transports to time (default tcp,ucx)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="the engine's CPU threads, as each worker will run (`tandem up "
+                   "--worker-threads`); default: a worker's own default")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests, smoke runs)")
     p.add_argument("--no-serving", action="store_true",
                    help="skip measuring the router's and worker shell's latencies through "
@@ -62,6 +65,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"tandem profile: --transports must name tcp and/or ucx, got {bad}")
     if args.repeats < 1:
         raise SystemExit("tandem profile: --repeats must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("tandem profile: --threads must be >= 1")
+    from tandem.engine.cpu_threads import default_threads, set_engine_threads
+
+    threads = args.threads if args.threads is not None else default_threads()
+    set_engine_threads(threads)
     from tqdm import tqdm
 
     from tandem.engine.builder import build_engine_parts
@@ -148,7 +157,7 @@ def main(argv: list[str]) -> int:
         transport = min(profile.transfer.models, key=lambda t: t != "tcp")
         options = [f"{k}={v}" for k, v in args.engine_option]
         try:
-            serving = calibrate_serving(profile, args.model, transport, options)
+            serving = calibrate_serving(profile, args.model, transport, options, threads=threads)
         except (RuntimeError, ValueError, OSError) as exc:
             raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
         profile = replace(profile, serving=serving)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import socket
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
+from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.supervisor import ProcessSpec
 from tandem.transports import TRANSPORTS, pick, require
 
@@ -52,6 +54,8 @@ class UpConfig:
     # Prefix pulls between colocated workers (--peer-pull-min-tokens; 0: off). parse_config
     # turns them on only where they can pay: several real colocated workers.
     peer_pull_min_tokens: int = 0
+    # Each worker's --threads; None: the worker's own default (OMP_NUM_THREADS, or its CPUs).
+    worker_threads: int | None = None
 
 
 # tandem up's --peer-pull-min-tokens default: off. In benchmarks/peer_pull.py's run of 2026-12-01
@@ -168,6 +172,8 @@ def build_specs(
             argv += ("--engine-option", opt)
         if cfg.simulate is not None:
             argv += ("--simulate", cfg.simulate)
+        if cfg.worker_threads is not None:
+            argv += ("--threads", str(cfg.worker_threads))
         if role == "colocated" and cfg.peer_pull_min_tokens > 0:
             argv += ("--kv-peer-pull",)
         specs.append(ProcessSpec(f"{role}-{i}", role, argv, f"http://127.0.0.1:{port}", shared))
@@ -225,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="prefix-aware")  # fmt: skip
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to every worker (repeatable)")  # fmt: skip
+    p.add_argument("--worker-threads", type=int, default=None, metavar="N",
+                   help="CPU threads per worker (default: this machine's CPUs less one for the "
+                   "router, split between the workers; $OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
     p.add_argument("--internal-port", type=int, default=None,
@@ -240,6 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_admission_args(p)  # passed to the router only when given
     p.set_defaults(**{attr: None for attr, _ in _ROUTER_PASSTHROUGH})
     return p
+
+
+def _worker_threads(
+    given: int | None, workers: int, simulate: str | None
+) -> tuple[int | None, str]:
+    """Each worker's engine threads and the note saying why. Workers sharing this machine's
+    CPUs with each other and the router must not run more threads than there are CPUs: a
+    parallel step waits for its slowest thread (``tandem.engine.cpu_threads``)."""
+    if given is not None:
+        if given < 1:
+            raise SystemExit("tandem up: --worker-threads must be >= 1")
+        return given, ""
+    if simulate is not None or os.environ.get("OMP_NUM_THREADS"):
+        return None, ""  # simulated steps are waits; an explicit OMP_NUM_THREADS is the user's
+    cpus = available_cpus()
+    threads = split_threads(cpus, workers)
+    return threads, (
+        f"each of the {workers} workers uses {threads} CPU thread(s) ({cpus} CPUs, one left "
+        "for the router; --worker-threads to change)"
+    )
 
 
 def parse_config(argv: list[str]) -> UpConfig:
@@ -291,11 +320,13 @@ def parse_config(argv: list[str]) -> UpConfig:
             "tandem up: --peer-pull-min-tokens needs --prefill 0, --decode 2 or more and no "
             "--simulate (prefix pulls are between real colocated workers)"
         )
+    threads, threads_note = _worker_threads(a.worker_threads, a.prefill + a.decode, simulate)
+    notes = tuple(n for n in (note, threads_note) if n)
     return UpConfig(
-        peer_pull_min_tokens=pull,
+        peer_pull_min_tokens=pull, worker_threads=threads,
         model=model, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         kv_transport=transport, api_key=a.api_key, routers=a.routers,
-        notes=(note,) if note else (),
+        notes=notes,
         local_prefill_threshold=a.local_prefill_threshold,
         prefill_overload_queue=a.prefill_overload_queue, policy=a.policy,
         engine_options=tuple(a.engine_option), startup_timeout_s=a.startup_timeout,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.role import Role
 from tandem.engine.sim.cost_model import (
     STEP_FEATURES,
     TRANSFER_FEATURES,
@@ -83,10 +84,19 @@ class ServingCost:
     queues it; ``token_seconds``: a token from the engine thread to the client; ``handoff_seconds``:
     a prefill's final output back through the router to the decode worker's queue;
     ``step_seconds``: what a serving worker adds to each engine step (its thread's loop, KV event
-    publishing); ``row_seconds``: what each sequence of a step adds by streaming its token
-    (worker -> router -> client: CPU taken from the steps where they share cores). Measured by
+    publishing); ``row_seconds``: the worker's CPU to stream each token of a step (worker ->
+    router), on its HTTP thread after the step: it delays steps only where it takes a core they
+    need. Measured by
     ``tandem profile`` through a real `tandem up` (``tandem_pkg/calibrate.py``); these defaults
     are for a profile made without that stage.
+
+    CPU, not latency (read from the processes' CPU times by the same stage): the router's event
+    loop is one thread, so its work queues: ``router_request_cpu`` per request it places and
+    ``router_token_cpu`` per token it streams are its service times, part of the latencies
+    above; ``worker_request_cpu`` is what a worker's HTTP side spends on each request it is
+    sent, time its engine thread loses (they share the GIL), ``prefill_request_cpu`` and
+    ``decode_request_cpu`` the same in P/D with each side's part of the KV transfer (0: the
+    colocated figure). 0: not measured (not modelled).
     """
 
     request_seconds: float = 0.002
@@ -94,6 +104,24 @@ class ServingCost:
     handoff_seconds: float = 0.002
     step_seconds: float = 0.0
     row_seconds: float = 0.0
+    router_request_cpu: float = 0.0
+    router_token_cpu: float = 0.0
+    worker_request_cpu: float = 0.0
+    prefill_request_cpu: float = 0.0  # the same on a prefill worker, with its side of a transfer
+    decode_request_cpu: float = 0.0  # on a decode worker, with its pull
+    # Variability, measured with one request at a time (empty: none, every latency its value
+    # above): ``request_spread``, quantiles of the first token's serving latency (what
+    # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
+    # lone request's ITL over the median ITL, how the machine's pace varies over windows of
+    # ``pace_seconds`` (the decode time of one such request). The simulator draws from them.
+    request_spread: tuple[float, ...] = ()
+    pace_spread: tuple[float, ...] = ()
+    pace_seconds: float = 0.0
+
+    def request_cpu(self, role: Role) -> float:
+        """A worker of ``role``'s CPU per request sent to it (the simulator's workers)."""
+        measured = {Role.PREFILL: self.prefill_request_cpu, Role.DECODE: self.decode_request_cpu}
+        return measured.get(role) or self.worker_request_cpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +179,13 @@ class Profile:
             "serving": {
                 "request_seconds": s.request_seconds, "token_seconds": s.token_seconds,
                 "handoff_seconds": s.handoff_seconds, "step_seconds": s.step_seconds,
-                "row_seconds": s.row_seconds,
+                "row_seconds": s.row_seconds, "router_request_cpu": s.router_request_cpu,
+                "router_token_cpu": s.router_token_cpu,
+                "worker_request_cpu": s.worker_request_cpu,
+                "prefill_request_cpu": s.prefill_request_cpu,
+                "decode_request_cpu": s.decode_request_cpu,
+                "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
+                "pace_seconds": s.pace_seconds,
             },
         }  # fmt: skip
 
@@ -174,6 +208,12 @@ def _int(d: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
     v = _get(d, key, where)
     if type(v) is not int or v < minimum:
         raise ValueError(f"profile: {where}.{key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _list(v: Any, where: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise ValueError(f"profile: {where} must be a list")
     return v
 
 
@@ -301,8 +341,18 @@ def profile_from_dict(data: Any) -> Profile:
                 "handoff_seconds",
                 "step_seconds",
                 "row_seconds",
+                "router_request_cpu",
+                "router_token_cpu",
+                "worker_request_cpu",
+                "prefill_request_cpu",
+                "decode_request_cpu",
+                "pace_seconds",
             )  # fmt: skip
-        }
+        },
+        **{
+            k: tuple(_seconds(v, f"serving.{k}") for v in _list(sv.get(k, []), f"serving.{k}"))
+            for k in ("request_spread", "pace_spread")
+        },
     )
     fit = st.get("fit") or {}
     hardware = data.get("hardware") or {}

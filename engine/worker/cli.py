@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
+from tandem.engine.cpu_threads import default_threads, set_engine_threads
 from tandem.engine.llm import build_engine_config
 from tandem.engine.role import Role
 from tandem.engine.worker.role import WorkerRole
@@ -94,6 +95,11 @@ def parser(role: Role) -> argparse.ArgumentParser:
         help="a simulated worker: the real scheduler, cache and protocols, the profiled step and "
         "KV transfer times from `tandem profile`, no weights (--model gives the tokenizer)",
     )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N",
+        help="CPU threads for the engine (default: $OMP_NUM_THREADS, else the CPUs this "
+        "process may use: its affinity capped by its cgroup CPU limit)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info")
     return p
 
@@ -107,6 +113,8 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     for name in ("kv_events_port", "kv_side_channel_port", "kv_data_port"):
         if not 0 <= getattr(args, name) < 65536:
             raise SystemExit(f"--{name.replace('_', '-')} must be in 0..65535")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         token = ClusterToken.require(args.cluster_token_file)
@@ -155,6 +163,9 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
         kv_data_port=args.kv_data_port,
         simulate=profile,
     )
+    threads = args.threads if args.threads is not None else default_threads()
+    set_engine_threads(threads)
+    logging.getLogger(__name__).info("engine threads: %d", threads)
     app = create_app(config, role)
     server = uvicorn.Server(
         uvicorn.Config(

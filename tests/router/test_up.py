@@ -243,3 +243,28 @@ def test_up_restarts_a_worker_that_dies(tokenizer_dir: Path, tmp_path: Path) -> 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_worker_threads_split_the_machine_and_reach_every_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tandem.up_config as up_config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(up_config, "available_cpus", lambda: 16)
+    cfg = parse_config(["--prefill", "1", "--decode", "2", "--kv-transport", "tcp"])
+    assert cfg.worker_threads == 5  # (16 CPUs - 1 for the router) // 3 workers
+    assert any("5 CPU thread(s)" in n and "16 CPUs" in n for n in cfg.notes)
+    specs = build_specs(cfg, iter(range(9001, 9010)), python=PY)
+    for s in specs[1:]:
+        assert s.argv[-2:] == ("--threads", "5")
+    assert "--threads" not in specs[0].argv  # the router runs no engine
+    assert parse_config(["--worker-threads", "3"]).worker_threads == 3
+    monkeypatch.setattr(up_config, "available_cpus", lambda: 2)
+    assert parse_config(["--prefill", "0"]).worker_threads == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice: workers read it themselves
+    cfg = parse_config([])
+    assert cfg.worker_threads is None
+    assert all("--threads" not in s.argv for s in build_specs(cfg, iter(range(9001, 9010))))
+    with pytest.raises(SystemExit):
+        parse_config(["--worker-threads", "0"])
