@@ -17,7 +17,7 @@ from tandem.engine.hashing import BlockHash
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats
+from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats, SchedulerOutput
 from tandem.engine.recovery import (
     Accounting,
     EngineFailed,
@@ -256,12 +256,7 @@ class Engine:
             if not out.is_empty:
                 victims = [s.request for s in out.scheduled]
                 result = self.runner.execute(out)
-                for s in out.scheduled:
-                    if s.request.num_computed_tokens < s.request.num_prompt_tokens:
-                        self.num_prompt_tokens += min(
-                            s.num_new_tokens,
-                            s.request.num_prompt_tokens - s.request.num_computed_tokens,
-                        )
+                self.num_prompt_tokens += _prompt_tokens(out)
                 changed = sched.update(out, result)
         except Exception as exc:  # noqa: BLE001 - contained; EngineFailed escapes
             self._failed_steps += 1
@@ -290,12 +285,11 @@ class Engine:
         return [self._final(r) for r in ended if r.request_id in self._requests]
 
     def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
-        token = req.output_token_ids[-1]
         self.num_generation_tokens += 1
-        out = _output(req, [token], [logprobs] if logprobs is not None else [])
-        if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
-            self.hooks.on_handoff(req, out)
-        if req.is_finished:
+        out = _output(req, [req.output_token_ids[-1]], [logprobs] if logprobs is not None else [])
+        if out.finished:
+            if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
+                self.hooks.on_handoff(req, out)
             self._forget(req)
         return out
 
@@ -365,18 +359,31 @@ class Engine:
         return cdiv(num_tokens, self.layout.block_size)
 
 
+def _prompt_tokens(out: SchedulerOutput) -> int:
+    """Prompt tokens computed by the step (its chunks' part short of each prompt's end)."""
+    total = 0
+    for s in out.scheduled:
+        req = s.request
+        left = len(req.prompt_token_ids) - req.num_computed_tokens
+        if left > 0:
+            total += min(s.num_new_tokens, left)
+    return total
+
+
 def _output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineOutput:
     """A request's step output: its delta plus its state (finish reason, counts, error)."""
+    status = req.status
+    finished = status >= RequestStatus.FINISHED_STOPPED
     return EngineOutput(
-        request_id=req.request_id,
-        group_id=req.group_id,
-        index=req.group_index,
-        new_token_ids=tokens,
-        finished=req.is_finished,
-        finish_reason=req.status.finish_reason,
-        stop_reason=req.stop_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=max(req.num_cached_tokens, 0),
-        error=req.error,
+        req.request_id,
+        req.group_id,
+        req.group_index,
+        tokens,
+        finished,
+        status.finish_reason if finished else None,
+        req.stop_reason,
+        logprobs,
+        len(req.prompt_token_ids),
+        max(req.num_cached_tokens, 0),
+        req.error,
     )

@@ -41,6 +41,13 @@ class KVCacheManager:
         if tier is not None:
             pool.on_evict = tier.on_evict
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per table: its leading blocks known to carry a hash (they keep it while held, since
+        # only free blocks are evicted), so cache_blocks() resumes there instead of rescanning.
+        self._num_hashed: dict[str, int] = {}
+        # Tables whose mark stopped short of their full computed blocks: a duplicate (its hash
+        # cached under another block) may become cacheable later. While this is empty, a block
+        # can only become cacheable by becoming full, which lets Scheduler.update skip the call.
+        self.lagging: set[str] = set()
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.host_hit_tokens = 0
@@ -103,16 +110,32 @@ class KVCacheManager:
         """Register every full block whose KV is now computed (called after each step)."""
         if not self.enable_prefix_caching:
             return
-        blocks = self._blocks.get(request.request_id, [])
+        rid = request.request_id
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
-            if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        first = self._num_hashed.get(rid, 0)
+        if first >= num_full:
+            return  # the common decode step: no block became full
+        blocks = self._blocks.get(rid, [])
+        hashes = request.block_hashes
+        mark = first
+        for i in range(first, num_full):
+            block = blocks[i]
+            if block.block_hash is None:
+                self.pool.cache_block(block, hashes[i])
+            if mark == i and block.block_hash is not None:
+                mark += 1  # a duplicate (its hash held by another block) stops the mark
+        self._num_hashed[rid] = mark
+        if mark < num_full:
+            self.lagging.add(rid)
+        else:
+            self.lagging.discard(rid)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so shared prefixes stay cached longest),
         and its swapped-out copy if it has one."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._num_hashed.pop(request.request_id, None)
+        self.lagging.discard(request.request_id)
         self.pool.free_blocks(list(reversed(blocks)))
         request.block_ids = []
         if self.tier is not None:
@@ -164,6 +187,8 @@ class KVCacheManager:
         if not self.tier.swap_out(request.request_id, device_blocks, hashes, computed):
             return False
         blocks = self._blocks.pop(request.request_id)
+        self._num_hashed.pop(request.request_id, None)
+        self.lagging.discard(request.request_id)
         self.pool.free_blocks(list(reversed(blocks)))
         request.block_ids = []
         return True
@@ -209,6 +234,8 @@ class KVCacheManager:
     def drop_table(self, request_id: str) -> None:
         """Free the blocks of a table whose request the scheduler no longer holds (recovery
         after a failed step, ``engine/recovery.py``)."""
+        self._num_hashed.pop(request_id, None)
+        self.lagging.discard(request_id)
         self.pool.free_blocks(list(reversed(self._blocks.pop(request_id, []))))
 
     def check_integrity(self) -> None:

@@ -5,7 +5,6 @@ It owns the KV cache tensor, allocated from the engine's ``KVLayout`` (see kv_la
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,9 +12,10 @@ import numpy as np
 import torch
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.input_batch import BlockTables
 from tandem.engine.kv_layout import KVLayout
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow, argmax_only
 
@@ -32,6 +32,10 @@ class StepInputs:
     sample_rows: torch.Tensor
     sample_request_ids: list[str]
     sample_requests: list[Request]
+    # Every packed row is sampled, in order (a decode-only step): no gather of the rows needed.
+    all_rows_sampled: bool = False
+    # Every sampled request is greedy without penalties or logprobs (sampler.argmax_only).
+    argmax_only: bool = False
 
 
 class ModelRunner:
@@ -51,6 +55,7 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads unused slots under a mask, and NaN * 0 = NaN.
         self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
         self.sampler = Sampler()
+        self.block_tables = BlockTables()
         self.graphs: DecodeGraphs | None = None
         # CPU, float32: the whole step in one C call (engine/cpu_forward.py), set by the builder.
         self.cpu_forward: CpuForward | None = None
@@ -58,53 +63,46 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host).
 
-        Per step and per sequence, so it stays in plain Python for decode rows (one token) and
-        uses numpy only for prefill chunks.
+        A decode-only step (one token per row, the steady state) reads each request once, in
+        list comprehensions, and does the rest in numpy; steps with prefill chunks go row by row.
         """
         bs = self.layout.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qlens: list[int] = []
-        slens: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        sample_reqs: list[Request] = []
-        max_blocks = 0
-        for s in out.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = req.block_ids
-            if s.num_new_tokens == 1:
-                ids.append(req.all_token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids.extend(req.all_token_ids[start:end])
-                pos = np.arange(start, end, dtype=np.int64)
-                positions.extend(pos.tolist())
-                slots.extend(
-                    (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
-                )
-            qlens.append(s.num_new_tokens)
-            slens.append(end)
-            max_blocks = max(max_blocks, len(table))
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_ids.append(req.request_id)
-                sample_reqs.append(req)
-        block_tables = _block_tables([s.request.block_ids for s in out.scheduled], max_blocks)
+        sched = out.scheduled
+        reqs = [s.request for s in sched]
+        qlens = [s.num_new_tokens for s in sched]
+        starts = [r.num_computed_tokens for r in reqs]
+        tables = [r.block_ids for r in reqs]
+        block_tables = self.block_tables.build(tables, max(map(len, tables)))
+        sample_seqs = [i for i, s in enumerate(sched) if s.sample]
+        num_seqs = len(sched)
+        if num_seqs == sum(qlens):
+            tokens = [r.all_token_ids[c] for r, c in zip(reqs, starts, strict=True)]
+            ids = np.array(tokens, dtype=np.int64)
+            pos = np.array(starts, dtype=np.int64)
+            slots = block_tables[np.arange(num_seqs), pos // bs].astype(np.int64) * bs + pos % bs
+            sample_rows = np.array(sample_seqs, dtype=np.int64)
+            context = pos.astype(np.int32)
+            seq_lens = torch.from_numpy(context + 1)
+            context_lens = torch.from_numpy(context)
+            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+            slens = (pos + 1).tolist()
+        else:
+            id_list, pos_list, slot_list, row_list = _packed_rows(sched, bs)
+            ids, pos = np.array(id_list, dtype=np.int64), np.array(pos_list, dtype=np.int64)
+            slots, sample_rows = np.array(slot_list, dtype=np.int64), np.array(row_list, np.int64)
+            slens = [c + n for c, n in zip(starts, qlens, strict=True)]
+            seq_lens = torch.tensor(slens, dtype=torch.int32)
+            query_lens = torch.tensor(qlens, dtype=torch.int32)
+            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+            torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+            context_lens = seq_lens - query_lens
+        sample_reqs = [reqs[i] for i in sample_seqs]
         dev = self.device
-        seq_lens = torch.tensor(slens, dtype=torch.int32)
-        query_lens = torch.tensor(qlens, dtype=torch.int32)
-        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=qsl[1:])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            query_start_loc=qsl.to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=query_start_loc.to(dev),
             seq_lens=seq_lens.to(dev),
-            context_lens=(seq_lens - query_lens).to(dev),
+            context_lens=context_lens.to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=max(qlens),
             max_seq_len=max(slens),
@@ -112,12 +110,15 @@ class ModelRunner:
             seq_lens_cpu=slens,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            input_ids=torch.from_numpy(ids).to(dev),
+            positions=torch.from_numpy(pos).to(dev),
             meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            sample_request_ids=sample_ids,
+            sample_rows=torch.from_numpy(sample_rows).to(dev),
+            sample_request_ids=[r.request_id for r in sample_reqs],
             sample_requests=sample_reqs,
+            all_rows_sampled=len(sample_rows) == len(ids),
+            # Requests often share one SamplingParams: each distinct one is checked once.
+            argmax_only=argmax_only(list({id(r.params): r.params for r in sample_reqs}.values())),
         )
 
     @torch.inference_mode()
@@ -135,9 +136,11 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not inputs.sample_request_ids:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.model.compute_logits(
+            hidden if inputs.all_rows_sampled else hidden[inputs.sample_rows]
+        )
         reqs = inputs.sample_requests
-        if argmax_only([r.params for r in reqs]):
+        if inputs.argmax_only:
             # All greedy without penalties or logprobs (the common batch): no SamplingRows.
             tokens = self.sampler.greedy(logits)
             result.sampled_token_ids = dict(zip(inputs.sample_request_ids, tokens, strict=True))
@@ -160,14 +163,32 @@ class ModelRunner:
         return result
 
 
-def _block_tables(tables: list[list[int]], width: int) -> np.ndarray:
-    """[len(tables), width] int32, row i = tables[i] then zeros: one flat copy and one masked
-    store instead of a numpy slice assignment per row (a quarter of prepare() at 256 rows)."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-    out[np.arange(width)[None, :] < lens[:, None]] = flat
-    return out
+def _packed_rows(
+    sched: list[ScheduledRequest], bs: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Token ids, positions and KV slots of every row of a step with prefill chunks, and the
+    packed row whose logits each sampled request needs."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    for s in sched:
+        req = s.request
+        start = req.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = req.block_ids
+        if s.num_new_tokens == 1:
+            ids.append(req.all_token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            ids.extend(req.all_token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.extend(pos.tolist())
+            slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+        if s.sample:
+            sample_rows.append(len(ids) - 1)
+    return ids, positions, slots, sample_rows
 
 
 class DecodeGraphs:

@@ -54,7 +54,16 @@ class Request:
 
     ``block_ids`` is the block table; the KVCacheManager owns the blocks and this list mirrors them.
     ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix hits included).
+    Slotted: the engine thread reads a handful of these fields per request per step.
     """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "params", "eos_token_ids", "priority", "arrival_time",
+        "generator", "group_id", "group_index", "max_tokens", "block_size", "status",
+        "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
+        "block_ids", "block_hashes", "num_preemptions", "stop_reason", "waited_steps",
+        "prompt_done_once", "remote_decode", "kv_transfer_params", "error",
+    )  # fmt: skip
 
     def __init__(
         self,

@@ -65,22 +65,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=self._key)
+        running = self.running
+        running.sort(key=self._key)
+        bs = self.kv.block_size
+        scheduled = out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) - computed, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
-                victim = max(self.running[i:], key=self._key)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue  # req itself was preempted; running[i] is now the next request
-            self._add_scheduled(out, req, num_new)
+            # Most decode steps fit in the blocks already held (one is needed every bs tokens).
+            if computed + num_new > len(req.block_ids) * bs:
+                while not self.kv.allocate_slots(req, num_new):
+                    victim = max(running[i:], key=self._key)
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    continue  # req itself was preempted; running[i] is now the next request
+            scheduled.append(
+                ScheduledRequest(req, num_new, computed + num_new == len(req.all_token_ids))
+            )
             budget -= num_new
             i += 1
 
@@ -270,40 +278,68 @@ class Scheduler:
         Returns the requests that produced a token or finished this step.
         """
         changed: list[Request] = []
-        for s in out.scheduled:
-            req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            if not s.sample:
-                continue
-            req.prompt_done_once = True
-            token = result.sampled_token_ids[req.request_id]
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
-            if status is None and req.remote_decode:
-                status = RequestStatus.FINISHED_REMOTE_DECODE
-            if status is not None:
-                self._finish(req, status)
-            changed.append(req)
+        finished: list[Request] = []
+        kv = self.kv
+        sampled = result.sampled_token_ids
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        bs = kv.block_size
+        try:
+            for s in out.scheduled:
+                req = s.request
+                if req.status != running_status:
+                    continue  # aborted while the step ran
+                num_new = s.num_new_tokens
+                computed = req.num_computed_tokens + num_new
+                req.num_computed_tokens = computed
+                # Every full block had its try when it became full (here, or where a load ends):
+                # unless a block became full now or a table lags, there is nothing to cache.
+                if num_new > 1 or computed % bs == 0 or kv.lagging:
+                    kv.cache_blocks(req, computed)
+                if not s.sample:
+                    continue
+                req.prompt_done_once = True
+                token = sampled[req.request_id]
+                req.append_output_token(token)
+                changed.append(req)
+                # The common token ends nothing: only a possible stop takes the full check.
+                if (
+                    token in req.eos_token_ids
+                    or req.params.stop_token_ids
+                    or len(req.output_token_ids) >= req.max_tokens
+                    or len(req.all_token_ids) >= max_model_len
+                    or req.remote_decode
+                ):
+                    status = self._check_stop(req, token)
+                    if status is None and req.remote_decode:
+                        status = RequestStatus.FINISHED_REMOTE_DECODE
+                    if status is not None:
+                        finished.append(req)
+                        self._finish(req, status)
+        finally:  # a step that raised midway leaves no ended request in running
+            if finished:
+                gone = set(map(id, finished))
+                self.running[:] = [r for r in self.running if id(r) not in gone]
         return changed
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
         if token in req.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if (
+            len(req.output_token_ids) >= req.max_tokens
+            or len(req.all_token_ids) >= self.config.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request that ran this step (update() then drops the step's ended ones from
+        ``running`` at once)."""
         req.status = status
-        if req in self.running:
-            self.running.remove(req)
         if status == RequestStatus.FINISHED_REMOTE_DECODE:
             self.pinned[req.request_id] = req
         else:

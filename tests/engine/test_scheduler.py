@@ -81,3 +81,26 @@ def test_preemption_picks_the_lowest_priority_latest_request() -> None:
     assert [r.request_id for r in s.waiting] == ["third"]
     assert s.waiting[0].status == RequestStatus.PREEMPTED and s.num_preemptions == 1
     s.kv.check_integrity()
+
+
+def test_a_duplicate_block_is_cached_once_its_hash_is_free() -> None:
+    """Two equal prompts computed in one step: the second's first block duplicates the first's
+    (same hash, not cached). Once the first's copy is evicted, the next decode step caches the
+    duplicate, though no block of it became full that step."""
+    s = scheduler(num_blocks=4)
+    a, b = make("a", 6, arrival=0), make("b", 6, arrival=1)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    h = b.block_hashes[0]
+    assert s.kv.pool.get_cached_block(h).block_id == a.block_ids[0]
+    assert s.kv.lagging == {"b"}
+    s.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    s.add_request(Request(
+        "c", list(range(500, 505)), SamplingParams(temperature=0, max_tokens=50),
+        eos_token_ids=frozenset(), block_size=BS, arrival_time=2, max_tokens=50,
+    ))  # fmt: skip
+    assert step(s) == [("b", 1), ("c", 5)]  # c's blocks are a's, evicting h's copy
+    assert s.kv.pool.get_cached_block(h).block_id == b.block_ids[0]
+    assert s.kv.lagging == set()
+    s.kv.check_integrity()
