@@ -100,7 +100,7 @@ def _p90(values: list[float]) -> float:
 def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
               cores: int | None, simulated: bool) -> list[Row]:  # fmt: skip
     profile = load_profile(profile_path)
-    threads = profile.hardware.get("torch_threads", 1)
+    threads = profile.threads
     rows = []
     shapes = workloads(profile.model.max_model_len)
     if quick:

@@ -62,13 +62,16 @@ def available_cpus() -> int:
     return max(1, cpus)
 
 
-def default_threads() -> int:
-    """A worker's engine threads when no flag says: ``OMP_NUM_THREADS`` if it is a positive
-    integer (the user chose), else ``available_cpus()``."""
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when it is a positive integer (the user chose), else None."""
     raw = os.environ.get("OMP_NUM_THREADS", "")
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return available_cpus()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def default_threads() -> int:
+    """A worker's engine threads when no flag says: ``omp_num_threads()``, else
+    ``available_cpus()``."""
+    return omp_num_threads() or available_cpus()
 
 
 def split_threads(cpus: int, workers: int, reserved: int = 1) -> int:

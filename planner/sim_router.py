@@ -103,13 +103,10 @@ class SimRouter:
         self.gaps: list[float] = []  # every gap the client sees
         self.decode_gaps: list[float] = []  # every gap after the router's first token
         self.placements: dict[str, int] = {}
-        if config.routers < 1:
-            raise ValueError("a deployment needs at least one router")
         self.loops = [RouterLoop(loop) for _ in range(config.routers)]
         self._loop_of: dict[str, RouterLoop] = {}
         self._arrivals = 0
-        spread = serving.request_spread if seed is not None else ()
-        self._spread = spread
+        self._spread = serving.request_spread if seed is not None else ()
         self._rng = random.Random(seed)
 
     @property

@@ -114,9 +114,9 @@ def _slowdown(cores: int | None, threads: int, workers: list[SimWorker], router:
             return pace.at(w.loop.now)
         # The starting worker's threads, the busy ones', each worker thread still streaming
         # tokens and each router loop with work queued (one thread each) against the cores.
-        busy = 1 + sum(1 for x in workers if x.busy)
-        shells = sum(1 for x in workers if x.shell_busy)
-        demand = busy * threads + shells + router.busy_loops
+        demand = threads + router.busy_loops
+        for x in workers:
+            demand += threads * x.busy + x.shell_busy
         return max(1.0, demand / cores) * pace.at(w.loop.now)
 
     return factor
@@ -147,8 +147,7 @@ def run_simulation(
     roles = [Role.PREFILL] * dep.prefill
     roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
     workers: list[SimWorker] = []
-    threads = profile.hardware.get("torch_threads", 1)
-    threads = threads if type(threads) is int and threads > 0 else 1
+    threads = profile.threads
     sv = profile.serving
     pace = MachinePace(sv.pace_spread if options.variability else (), sv.pace_seconds,
                        options.seed)  # fmt: skip

@@ -22,9 +22,10 @@ the steps themselves. Measured, with the profile's step model subtracted:
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
 
-Latencies are lower quartiles over the requests, as the step times are
-(``engine/sim/profiler.py``): other work on the machine only ever adds to a latency; the ITL is
-a median, since its tail is what the planner predicts.
+The hand-off is a lower quartile over the requests, as the step times are
+(``engine/sim/profiler.py``): other work on the machine only ever adds to a latency. The first
+token and the ITL are medians with their spreads, since their tails are what the planner
+predicts.
 """
 
 from __future__ import annotations
@@ -126,10 +127,16 @@ class LocalUp:
                 self.proc.wait()
 
 
+def _stat(proc: Path) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (which may hold spaces): [1] is the
+    parent's pid, [11] and [12] user and system CPU in clock ticks."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu(proc: Path) -> float:
     """CPU seconds (user + system) a process has used, its ended threads included (``stat``;
     clock-tick resolution, 10 ms: the phases are long enough for that)."""
-    fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(proc)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -141,8 +148,7 @@ def children_cpu(pid: int) -> dict[str, float]:
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != pid:
+            if int(_stat(entry)[1]) != pid:
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             cpu = process_cpu(entry)
@@ -183,14 +189,12 @@ def _complete(runs: list[list[float]]) -> list[list[float]]:
 
 def calibrate_serving(
     profile: Profile, model: str, transport: str, options: Sequence[str] = (),
-    requests: int = 12, threads: int | None = None,
+    threads: int | None = None,
 ) -> ServingCost:  # fmt: skip
     """The profile's ServingCost measured on this machine; ValueError if nothing was measured.
     ``options`` are the engine options (``key=value``) the workers run with, ``threads`` each
     worker's engine threads (default: the profile's, the threads its steps were timed with)."""
-    if threads is None:
-        recorded = profile.hardware.get("torch_threads", 1)
-        threads = recorded if type(recorded) is int and recorded > 0 else 1
+    threads = profile.threads if threads is None else threads
     step = profile.step
     rng = random.Random(0)
     tokens = profile.model.sim_token_ids
@@ -210,27 +214,25 @@ def calibrate_serving(
                 stream(up, prompt())
             alone: list[list[float]] = []
 
-            def serial() -> int:
-                alone.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
-                return CPU_REQUESTS
+            def serial(into: list[list[float]]) -> Callable[[], int]:
+                def run() -> int:
+                    into.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
+                    return CPU_REQUESTS
+
+                return run
 
             def one_token() -> int:
                 for _ in range(CPU_REQUESTS):
                     stream(up, prompt(), max_tokens=1)
                 return CPU_REQUESTS
 
-            cpu_long = _cpu_per_request(up, serial)
+            cpu_long = _cpu_per_request(up, serial(alone))
             cpu_short = _cpu_per_request(up, one_token)
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
             pd: list[list[float]] = []
-
-            def disaggregated() -> int:
-                pd.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
-                return CPU_REQUESTS
-
-            cpu_pd = _cpu_per_request(up, disaggregated)
+            cpu_pd = _cpu_per_request(up, serial(pd))
     if not alone or not pd:
         raise ValueError("the serving calibration got no complete answers")
 
@@ -238,6 +240,7 @@ def calibrate_serving(
     # streamed tokens arrive in bursts (several in one read, then a longer gap), so a quantile
     # of single gaps says nothing about the pace.
     itl = sorted((t[-1] - t[0]) / (OSL - 1) for t in alone)
+    itl_median = itl[len(itl) // 2]
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
     prefill = step.step_seconds([(ISL, 0)])
     # CPU: a one-token request costs each process its per-request work; the OSL - 1 further
@@ -256,7 +259,7 @@ def calibrate_serving(
     decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
     # the step and the step's own overhead.
-    step_overhead = max(0.0, itl[len(itl) // 2] - decode1)
+    step_overhead = max(0.0, itl_median - decode1)
     # The first token's serving latency per request: its median, and its spread.
     served = sorted(max(0.0, t[0] - prefill - step_overhead) for t in alone)
     router = served[len(served) // 2]
@@ -276,11 +279,11 @@ def calibrate_serving(
         row_seconds=round(row, 7),
         router_request_cpu=round(router_request, 6),
         router_token_cpu=round(router_token, 7),
-        worker_request_cpu=round(max(0.0, worker_request), 6),
+        worker_request_cpu=round(worker_request, 6),
         prefill_request_cpu=round(prefill_request, 6),
         decode_request_cpu=round(decode_request, 6),
         request_spread=quantiles(served),
-        pace_spread=quantiles([v / itl[len(itl) // 2] for v in itl]) if itl[len(itl) // 2] else (),
+        pace_spread=quantiles([v / itl_median for v in itl]) if itl_median else (),
         pace_seconds=round(sorted(t[-1] - t[0] for t in alone)[len(alone) // 2], 6),
     )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
 import socket
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
-from tandem.engine.cpu_threads import available_cpus, split_threads
+from tandem.engine.cpu_threads import available_cpus, omp_num_threads, split_threads
 from tandem.supervisor import ProcessSpec
 from tandem.transports import TRANSPORTS, pick, require
 
@@ -261,7 +260,7 @@ def _worker_threads(
         if given < 1:
             raise SystemExit("tandem up: --worker-threads must be >= 1")
         return given, ""
-    if simulate is not None or os.environ.get("OMP_NUM_THREADS"):
+    if simulate is not None or omp_num_threads() is not None:
         return None, ""  # simulated steps are waits; an explicit OMP_NUM_THREADS is the user's
     cpus = available_cpus()
     threads = split_threads(cpus, workers)

@@ -137,6 +137,13 @@ class Profile:
     created: str = ""
     hardware: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def threads(self) -> int:
+        """The engine threads the steps were timed with (``hardware.torch_threads``; 1 when
+        the profile does not say): the workers it predicts run as many."""
+        t = self.hardware.get("torch_threads", 1)
+        return t if type(t) is int and t > 0 else 1
+
     def to_dict(self) -> dict[str, Any]:
         m, e, s = self.model, self.engine, self.serving
         return {
