@@ -302,7 +302,8 @@ class Scheduler:
                 token = sampled[req.request_id]
                 req.append_output_token(token)
                 changed.append(req)
-                # The common token ends nothing: only a possible stop takes the full check.
+                # The common token ends nothing: only a possible stop takes the full check
+                # (these are _check_stop's conditions: a new one goes in both).
                 if (
                     token in req.eos_token_ids
                     or req.params.stop_token_ids
