@@ -37,6 +37,8 @@ class LoadSpec:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Of those, tokens of prompts (the chunks' parts short of each prompt's end).
+    num_prompt_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     # KV loads admitted this step, for the role hooks to start (decode role).
     loads: list[LoadSpec] = field(default_factory=list)

@@ -46,6 +46,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self._leaders: dict[str, Request] = {}
+        self._sorted: list[Request] = []  # ``running`` as schedule() last sorted it
 
     # ---- queues -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -66,17 +67,23 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         running = self.running
-        running.sort(key=self._key)
+        # A running request's key never changes (only waiting ones age), so a list still in the
+        # order it was last sorted into needs no sort (one C-level identity compare).
+        if running != self._sorted:
+            running.sort(key=self._key)
+            self._sorted = running.copy()
         bs = self.kv.block_size
-        scheduled = out.scheduled
+        append = out.scheduled.append
+        prompt_tokens = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            num_new = min(len(req.all_token_ids) - computed, budget)
-            if num_new <= 0:
+            left = len(req.all_token_ids) - computed
+            if left <= 0:
                 i += 1
                 continue
+            num_new = left if left <= budget else budget
             # Most decode steps fit in the blocks already held (one is needed every bs tokens).
             if computed + num_new > len(req.block_ids) * bs:
                 while not self.kv.allocate_slots(req, num_new):
@@ -86,11 +93,12 @@ class Scheduler:
                         break
                 if req.status != RequestStatus.RUNNING:
                     continue  # req itself was preempted; running[i] is now the next request
-            scheduled.append(
-                ScheduledRequest(req, num_new, computed + num_new == len(req.all_token_ids))
-            )
+            if computed < len(req.prompt_token_ids):
+                prompt_tokens += min(num_new, len(req.prompt_token_ids) - computed)
+            append(ScheduledRequest(req, num_new, num_new == left))
             budget -= num_new
             i += 1
+        out.num_prompt_tokens = prompt_tokens
 
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
@@ -253,8 +261,10 @@ class Scheduler:
         return leader is None or leader.prompt_done_once or leader.is_finished
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        sample = req.num_computed_tokens + num_new == req.num_tokens
+        computed = req.num_computed_tokens
+        sample = computed + num_new == req.num_tokens
         out.scheduled.append(ScheduledRequest(req, num_new, sample))
+        out.num_prompt_tokens += max(0, min(num_new, req.num_prompt_tokens - computed))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the KV to the host tier if it has room, else drop it (recompute); either way the
@@ -278,8 +288,10 @@ class Scheduler:
         Returns the requests that produced a token or finished this step.
         """
         changed: list[Request] = []
+        add = changed.append
         finished: list[Request] = []
         kv = self.kv
+        lagging = kv.lagging  # the set itself: its contents may change in the loop
         sampled = result.sampled_token_ids
         running_status = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
@@ -287,21 +299,21 @@ class Scheduler:
         try:
             for s in out.scheduled:
                 req = s.request
-                if req.status != running_status:
+                if req.status is not running_status:
                     continue  # aborted while the step ran
                 num_new = s.num_new_tokens
                 computed = req.num_computed_tokens + num_new
                 req.num_computed_tokens = computed
                 # Every full block had its try when it became full (here, or where a load ends):
                 # unless a block became full now or a table lags, there is nothing to cache.
-                if num_new > 1 or computed % bs == 0 or kv.lagging:
+                if num_new > 1 or computed % bs == 0 or lagging:
                     kv.cache_blocks(req, computed)
                 if not s.sample:
                     continue
                 req.prompt_done_once = True
                 token = sampled[req.request_id]
                 req.append_output_token(token)
-                changed.append(req)
+                add(req)
                 # The common token ends nothing: only a possible stop takes the full check
                 # (these are _check_stop's conditions: a new one goes in both).
                 if (
