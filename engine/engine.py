@@ -18,7 +18,13 @@ from tandem.engine.hashing import BlockHash
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats, SchedulerOutput
+from tandem.engine.outputs import (
+    EngineOutput,
+    EngineStats,
+    HostTierStats,
+    SchedulerOutput,
+    request_outputs,
+)
 from tandem.engine.recovery import (
     Accounting,
     EngineFailed,
@@ -286,53 +292,34 @@ class Engine:
     def _step_outputs(
         self, changed: list[Request], logprobs: dict[str, TokenLogprobs | None]
     ) -> list[EngineOutput]:
-        """The outputs of the requests that produced a token this step, built in one pass; then
-        each finished one retires. A request whose output fails is contained alone."""
+        """The outputs of the requests that produced a token this step, built in one pass (if
+        that fails, request by request); each finished one retires. A request whose output
+        fails is contained alone."""
         try:
-            outs = _outputs(changed, logprobs)
+            outs: list[EngineOutput] | None = request_outputs(changed, logprobs)
         except Exception:  # noqa: BLE001 - found and contained request by request below
-            return self._outputs_one_by_one(changed, logprobs)
-        self.num_generation_tokens += len(outs)
-        if not any(map(_finished, outs)):
+            outs = None
+        if outs is not None and not any(map(_finished, outs)):
+            self.num_generation_tokens += len(outs)
             return outs  # the common step: nothing ended
-        kept = []
-        for req, out in zip(changed, outs, strict=True):
-            if out.finished:
-                try:
-                    self._retire(req, out)
-                except Exception as exc:  # noqa: BLE001 - attributable to this request alone
-                    kept += contain(self, exc, [req])
-                    continue
+        kept: list[EngineOutput] = []
+        for i, req in enumerate(changed):
+            self.num_generation_tokens += 1
+            try:
+                out = outs[i] if outs is not None else request_outputs([req], logprobs)[0]
+                if out.finished:
+                    if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
+                        self.hooks.on_handoff(req, out)
+                    self._forget(req)
+            except Exception as exc:  # noqa: BLE001 - attributable to this request alone
+                kept += contain(self, exc, [req])
+                continue
             kept.append(out)
         return kept
 
-    def _outputs_one_by_one(
-        self, changed: list[Request], logprobs: dict[str, TokenLogprobs | None]
-    ) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
-        for req in changed:
-            try:
-                outputs.append(self._process(req, logprobs.get(req.request_id)))
-            except Exception as exc:  # noqa: BLE001 - attributable to this request alone
-                outputs += contain(self, exc, [req])
-        return outputs
-
-    def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
-        self.num_generation_tokens += 1
-        (out,) = _outputs([req], {} if logprobs is None else {req.request_id: logprobs})
-        if out.finished:
-            self._retire(req, out)
-        return out
-
-    def _retire(self, req: Request, out: EngineOutput) -> None:
-        """A request's last output was built: a prefill hand-off publishes its KV; untracked."""
-        if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
-            self.hooks.on_handoff(req, out)
-        self._forget(req)
-
     def _final(self, req: Request) -> EngineOutput:
         self._forget(req)
-        (out,) = _outputs([req], {}, new_token=False)
+        (out,) = request_outputs([req], {}, new_token=False)
         return out
 
     def _forget(self, req: Request) -> None:
@@ -397,30 +384,4 @@ class Engine:
         return cdiv(num_tokens, self.layout.block_size)
 
 
-def _outputs(
-    reqs: list[Request], logprobs: dict[str, TokenLogprobs | None], new_token: bool = True
-) -> list[EngineOutput]:
-    """Each request's step output: its newest token (``new_token``) and that token's logprobs if
-    sampled, plus its state (finish reason, counts, error). One comprehension: at 256 decoding
-    sequences a function call per request is a sixth of the engine thread's time."""
-    fin, out = _FINISHED, EngineOutput
-    return [
-        out(
-            r.request_id,
-            r.group_id,
-            r.group_index,
-            [r.output_token_ids[-1]] if new_token else [],
-            (status := r.status) >= fin,
-            status.finish_reason if status >= fin else None,
-            r.stop_reason,
-            [lp] if logprobs and (lp := logprobs.get(r.request_id)) is not None else [],
-            len(r.prompt_token_ids),
-            max(r.num_cached_tokens, 0),
-            r.error,
-        )
-        for r in reqs
-    ]
-
-
-_FINISHED = RequestStatus.FINISHED_STOPPED
 _finished = attrgetter("finished")

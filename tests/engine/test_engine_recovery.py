@@ -86,7 +86,7 @@ def test_a_failed_model_run_fails_its_batch_and_the_rest_continue(monkeypatch) -
 def test_an_output_failure_fails_that_request_alone(engine: Engine, monkeypatch) -> None:
     a, b = [256, 5, 6, 7], [256, 8, 9, 10, 11]
     expected_b = reference(engine, b)
-    real = engine_module._outputs
+    real = engine_module.request_outputs
 
     def bad(reqs, logprobs, new_token=True):  # noqa: ANN001, ANN202
         # The step's outputs are built in one pass: a failure there is found request by request.
@@ -94,7 +94,7 @@ def test_an_output_failure_fails_that_request_alone(engine: Engine, monkeypatch)
             raise ValueError("injected output failure")
         return real(reqs, logprobs, new_token)
 
-    monkeypatch.setattr(engine_module, "_outputs", bad)
+    monkeypatch.setattr(engine_module, "request_outputs", bad)
     engine.add_request("a", a, params())
     engine.add_request("b", b, params())
     outs = run(engine)
