@@ -49,7 +49,7 @@ class Scheduler:
         self._sorted: list[Request] = []  # ``running`` as schedule() last sorted it
         # Each running request's decode row (1 token, sampled), reused step after step: rows
         # are never mutated, and building 256 of them was a tenth of the engine thread's time.
-        self._decode_rows: dict[str, ScheduledRequest] = {}
+        self.decode_rows: dict[str, ScheduledRequest] = {}
 
     # ---- queues -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -77,7 +77,7 @@ class Scheduler:
             self._sorted = running.copy()
         bs = self.kv.block_size
         append = out.scheduled.append
-        decode_rows = self._decode_rows
+        decode_rows = self.decode_rows
         prompt_tokens = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -363,7 +363,7 @@ class Scheduler:
         """End a request that ran this step (update() then drops the step's ended ones from
         ``running`` at once)."""
         req.status = status
-        self._decode_rows.pop(req.request_id, None)
+        self.decode_rows.pop(req.request_id, None)
         if status == RequestStatus.FINISHED_REMOTE_DECODE:
             self.pinned[req.request_id] = req
         else:
@@ -392,7 +392,7 @@ class Scheduler:
             self.kv.free(req)
             done.append(req)
         for req in done:
-            self._decode_rows.pop(req.request_id, None)
+            self.decode_rows.pop(req.request_id, None)
             if self._leaders.get(req.group_id) is req:
                 del self._leaders[req.group_id]
         return done
