@@ -1,11 +1,11 @@
 """guidellm, the load generator: its command line (pure), one run as a subprocess, and its JSON
 report read into ``slo.Req`` records.
 
-Each run is one guidellm benchmark: a calibration (``synchronous``: one request at a time), a
-Poisson rate, or a trace replay. Poisson runs send a fixed number of requests (rate x duration,
-``max_requests``) and wait for all of them, so no request is cut off at the end of a window and
-attainment counts every request offered; ``max_duration`` caps an overloaded run's drain (what it
-cancels counts as missing the SLO). guidellm runs with its working directory in the run folder
+Each run is one guidellm benchmark: a calibration (``synchronous``: one request at a time) or a
+trace replay (a Poisson sweep point or the bursty trace). A replay sends every request of its
+trace and waits for all of them, so no request is cut off at the end of a window and attainment
+counts every request offered; ``max_duration`` caps an overloaded run's drain (what it cancels
+counts as missing the SLO). guidellm runs with its working directory in the run folder
 (its multiprocessing helpers put the working directory on ``sys.path``, and the repository root's
 ``operator/`` would shadow the standard library) and with ``PYTHONSAFEPATH=1``.
 """
@@ -13,7 +13,6 @@ cancels counts as missing the SLO). guidellm runs with its working directory in 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -50,13 +49,6 @@ def guidellm_bin() -> str:
     if not found:
         raise RuntimeError("guidellm is not installed: pip install -e '.[bench]'")
     return found
-
-
-def poisson(data: str, rate: float, duration_s: float, min_requests: int = 8) -> Run:
-    """``rate x duration_s`` requests (at least ``min_requests``: attainment needs a population),
-    capped at twice their expected arrival span plus a minute."""
-    n = max(min_requests, math.ceil(rate * duration_s))
-    return Run(data, f"kind=poisson,rate={rate}", n, 2 * n / rate + 60.0)
 
 
 def synchronous(data: str, requests: int, max_seconds: float) -> Run:

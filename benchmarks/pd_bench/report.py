@@ -37,8 +37,11 @@ def workload_table(w: str, s: dict[str, Any], slo_names: list[str]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     for n in slo_names:
         bc, bp, ratio = s["best_colocated"].get(n), s["best_pd"].get(n), s["ratio"].get(n)
+        verdict = (f"**{_fmt(ratio)}x**" if ratio is not None else
+                   "**P/D only** (no colocated deployment meets it at any rate)"
+                   if s.get("pd_only", {}).get(n) else "**-** (neither meets it)")  # fmt: skip
         lines.append(f"\n{n}: best colocated {bc}, best P/D {bp}, P/D / best colocated "
-                     f"**{_fmt(ratio)}x**")  # fmt: skip
+                     f"{verdict}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -56,6 +59,9 @@ def markdown(summary: dict[str, Any]) -> str:
         for n in names:
             sp = by.get(n, {})
             vals = ", ".join(_fmt(x) for x in sp.get("values", []))
-            cells.append(f"{vals} (min {_fmt(sp.get('min'))}, max {_fmt(sp.get('max'))})")
+            cell = f"{vals} (min {_fmt(sp.get('min'))}, max {_fmt(sp.get('max'))})"
+            if sp.get("pd_only"):
+                cell += f"; P/D only in {sp['pd_only']} of {len(sp.get('values', []))}"
+            cells.append(cell)
         out.append(f"| {w} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

@@ -4,10 +4,14 @@ The SLOs are multiples of the unloaded latencies measured in the same run. Unloa
 on the prompt's length, so each deployment's calibration runs (one request at a time, prompts from
 short to the longest the workloads send) give a TTFT profile over prompt length (``TtftProfile``:
 linear between the measured points); a request's TTFT objective is ``ttft_x`` times the best
-deployment's unloaded TTFT at its length (the lower envelope of the profiles), its ITL objective
-``itl_x`` times the best unloaded median of the per-request mean inter-token latency (guidellm's
-ITL, which excludes the first token: vLLM's TPOT). One objective for every deployment: a
-deployment that is slower unloaded (P/D pays for the KV transfer) is judged by the same clock.
+deployment's unloaded TTFT at its length (the lower envelope of the profiles). Unloaded ITL
+depends on the context too (every decode step reads the whole context's KV: at 2 k tokens the
+demo-sized model's step is ~1.5x its step at 32), so the same calibration gives an ITL profile
+(``ItlProfile``: a least-squares line over prompt length, slope >= 0) of the per-request mean
+inter-token latency (guidellm's ITL, which excludes the first token: vLLM's TPOT); a request's ITL
+objective is ``itl_x`` times the lower envelope of those lines at its prompt length. One objective
+for every deployment: a deployment that is slower unloaded (P/D pays for the KV transfer) is
+judged by the same clock.
 
 Goodput of a deployment on a workload: the highest offered request rate at which at least
 ``target`` of the requests meet both objectives; requests that did not finish (cancelled at the
@@ -72,6 +76,32 @@ class TtftProfile:
         return pts[-1][1]
 
 
+@dataclass(slots=True, frozen=True)
+class ItlProfile:
+    """Unloaded ITL as a function of prompt length: the least-squares line through the
+    calibration requests' (prompt tokens, mean ITL ms), its slope clamped at >= 0 (a longer
+    context is never cheaper to decode; a falling fit is noise). A line, not TTFT's running max:
+    one request's mean ITL over ~30 tokens is noisy, and a running max would keep the noisiest."""
+
+    intercept_ms: float
+    slope_ms_per_token: float
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> ItlProfile:
+        if not samples:
+            raise ValueError("an ITL profile needs at least one sample")
+        n = len(samples)
+        mx = sum(x for x, _ in samples) / n
+        my = sum(y for _, y in samples) / n
+        sxx = sum((x - mx) ** 2 for x, _ in samples)
+        slope = sum((x - mx) * (y - my) for x, y in samples) / sxx if sxx > 0 else 0.0
+        slope = max(0.0, slope)
+        return cls(my - slope * mx, slope)
+
+    def at(self, prompt_tokens: int) -> float:
+        return self.intercept_ms + self.slope_ms_per_token * prompt_tokens
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     if not s:
@@ -82,9 +112,11 @@ def median(xs: Sequence[float]) -> float:
 
 @dataclass(slots=True, frozen=True)
 class Unloaded:
-    """One deployment's calibration: the TTFT profile and the median per-request ITL."""
+    """One deployment's calibration: the TTFT and ITL profiles, and the median per-request ITL
+    (reported; the SLO uses the profile)."""
 
     ttft: TtftProfile
+    itl: ItlProfile
     itl_ms: float
     requests: int
 
@@ -95,30 +127,31 @@ def unloaded(reqs: Sequence[Req]) -> Unloaded:
     if len(done) < 2 or not itls:
         raise ValueError(f"calibration needs >= 2 completed requests with ITL, got {len(done)}")
     profile = TtftProfile.of([(r.prompt_tokens, r.ttft_ms) for r in done])  # type: ignore[misc]
-    return Unloaded(profile, median(itls), len(done))
+    itl = ItlProfile.fit([(r.prompt_tokens, r.itl_ms) for r in done if r.itl_ms is not None])
+    return Unloaded(profile, itl, median(itls), len(done))
 
 
 @dataclass(slots=True, frozen=True)
 class Slo:
-    """Per-request objectives: TTFT from the lower envelope of the unloaded profiles."""
+    """Per-request objectives from the lower envelopes of the unloaded profiles."""
 
     ttft_profiles: tuple[TtftProfile, ...]
-    itl_ms: float
+    itl_profiles: tuple[ItlProfile, ...]
     ttft_x: float
     itl_x: float
 
     def ttft_ms(self, prompt_tokens: int) -> float:
         return self.ttft_x * min(f.at(prompt_tokens) for f in self.ttft_profiles)
 
-    def itl_limit_ms(self) -> float:
-        return self.itl_x * self.itl_ms
+    def itl_limit_ms(self, prompt_tokens: int) -> float:
+        return self.itl_x * min(f.at(prompt_tokens) for f in self.itl_profiles)
 
     def meets(self, r: Req) -> bool:
         if not r.completed or r.ttft_ms is None:
             return False
         if r.ttft_ms > self.ttft_ms(r.prompt_tokens):
             return False
-        return r.itl_ms is None or r.itl_ms <= self.itl_limit_ms()
+        return r.itl_ms is None or r.itl_ms <= self.itl_limit_ms(r.prompt_tokens)
 
 
 def make_slo(refs: Sequence[Unloaded], ttft_x: float, itl_x: float) -> Slo:
@@ -126,7 +159,7 @@ def make_slo(refs: Sequence[Unloaded], ttft_x: float, itl_x: float) -> Slo:
         raise ValueError("an SLO needs at least one unloaded reference")
     if ttft_x <= 0 or itl_x <= 0:
         raise ValueError("SLO multiples must be > 0")
-    return Slo(tuple(u.ttft for u in refs), min(u.itl_ms for u in refs), ttft_x, itl_x)
+    return Slo(tuple(u.ttft for u in refs), tuple(u.itl for u in refs), ttft_x, itl_x)
 
 
 def attainment(reqs: Sequence[Req], slo: Slo) -> float:

@@ -21,6 +21,9 @@ from pd_bench.slo import (
 )
 from pd_bench.slo import unloaded as fit_unloaded
 
+# Prompt lengths at which the summary states each SLO's ITL objective.
+SLO_LENGTHS = (32, 256, 1024, 2048)
+
 
 @dataclass(slots=True, frozen=True)
 class SloSetting:
@@ -114,7 +117,10 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
             pass
     out: dict[str, Any] = {
         "unloaded": {d: {"ttft_ms_by_prompt": [[n, round(t, 1)] for n, t in u.ttft.points],
-                         "itl_ms": round(u.itl_ms, 2)} for d, u in refs.items()},
+                         "itl_ms": round(u.itl_ms, 2),
+                         "itl_fit": [round(u.itl.intercept_ms, 3),
+                                     round(u.itl.slope_ms_per_token, 6)]}
+                     for d, u in refs.items()},
         "workloads": {},
     }  # fmt: skip
     if not refs:
@@ -152,11 +158,14 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
                         d["fixed"]["canary_itl_p99_ms"] / percentile(un, 99), 2
                     )
             deps[rec["deployment"]] = d
+        # ratio: None where the best colocated goodput is 0; pd_only: P/D > 0 there (it meets
+        # the SLO at some offered rate where no colocated deployment does at any).
         summary: dict[str, Any] = {"deployments": deps, "slo": {}, "best_colocated": {},
-                                   "best_pd": {}, "ratio": {}}  # fmt: skip
+                                   "best_pd": {}, "ratio": {}, "pd_only": {}}  # fmt: skip
         for n, slo in slos.items():
             summary["slo"][n] = {"ttft_x": slo.ttft_x, "itl_x": slo.itl_x,
-                                 "itl_ms": round(slo.itl_limit_ms(), 2)}  # fmt: skip
+                                 "itl_ms_by_prompt": [[n, round(slo.itl_limit_ms(n), 2)]
+                                                      for n in SLO_LENGTHS]}  # fmt: skip
             g = {dn: dv["goodput_interpolated"][n] for dn, dv in deps.items()}
             bc = _best(g, kinds, ("colocated", "colocated-x2"))
             bp = _best(g, kinds, ("pd",))
@@ -164,6 +173,7 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
             summary["best_pd"][n] = bp
             if bc and bp:
                 summary["ratio"][n] = round(g[bp] / g[bc], 3) if g[bc] > 0 else None
+                summary["pd_only"][n] = g[bc] == 0 and g[bp] > 0
         out["workloads"][w] = summary
     return out
 
@@ -171,10 +181,14 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
 def spread(per_repeat: list[dict[str, Any]]) -> dict[str, Any]:
     """Each workload's P/D / best-colocated ratio per SLO setting over the repeats."""
     out: dict[str, Any] = {}
+    only: dict[str, dict[str, int]] = {}
     for rep in per_repeat:
         for w, s in rep["workloads"].items():
             for n, ratio in s["ratio"].items():
                 out.setdefault(w, {}).setdefault(n, []).append(ratio)
+                hit = int(bool(s.get("pd_only", {}).get(n)))
+                only.setdefault(w, {})[n] = only.get(w, {}).get(n, 0) + hit
     return {w: {n: {"values": v, "min": min((x for x in v if x is not None), default=None),
-                    "max": max((x for x in v if x is not None), default=None)}
+                    "max": max((x for x in v if x is not None), default=None),
+                    "pd_only": only[w][n]}
                 for n, v in by.items()} for w, by in out.items()}  # fmt: skip

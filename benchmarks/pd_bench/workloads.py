@@ -1,9 +1,11 @@
 """The workloads, as guidellm data and profiles. Pure: no I/O but writing a trace file.
 
-- ``prefill-heavy``: prompts uniform in 1-2 k tokens, outputs uniform in 64-256 (guidellm
-  ``synthetic_text``), Poisson arrivals swept over ``rates``.
+- ``prefill-heavy``: prompts uniform in 1-2 k tokens, outputs uniform in 64-256, Poisson
+  arrivals swept over ``rates``;
 - ``chat``: prompts and outputs normal around 256 (stdev 64, clipped to 128-384), Poisson
   arrivals swept over ``rates``.
+  Each sweep point is a seeded trace (``poisson_trace``: Poisson gaps rescaled to the exact rate)
+  that guidellm replays, synthesizing each prompt to its length (``trace_synthetic``).
 - ``bursty``: a trace replayed by guidellm (``trace_synthetic`` + the ``replay`` profile): short
   background requests (32-token prompts, 240-token outputs, Poisson) plus a burst of
   ``burst_size`` long prompts every ``burst_every_s`` seconds; swept by scaling the whole trace's
@@ -151,6 +153,40 @@ def bursty_trace(w: Bursty, duration_s: float, seed: int) -> list[dict[str, floa
                   "output_length": w.burst_output} for _ in range(w.burst_size)]  # fmt: skip
         b += w.burst_every_s
     return sorted(rows, key=lambda r: r["timestamp"])
+
+
+def draw_length(rng: random.Random, mean: int, stdev: int | None, lo: int, hi: int) -> int:
+    """One length of a ``Lengths`` side: uniform over [lo, hi] without a stdev, else a clipped,
+    rounded normal (guidellm's synthetic_text rule)."""
+    if stdev is None:
+        return rng.randint(lo, hi)
+    return min(hi, max(lo, round(rng.gauss(mean, stdev))))
+
+
+def poisson_trace(lengths: Lengths, rate: float, n: int, seed: int) -> list[dict[str, float | int]]:
+    """``n`` requests with Poisson arrivals at ``rate`` per second, as guidellm trace rows. The
+    exponential gaps are rescaled so that the n gaps (the last one ends the window) add up to
+    exactly ``n / rate``: with the 8-20 requests of one sweep point a raw Poisson sample's rate is
+    often off by 2x (guidellm's own ``poisson`` profile also draws the same gaps in each of its
+    worker processes), and a point must offer the load it is labelled with. Lengths are drawn
+    from ``lengths``; the same seed gives every deployment the same trace."""
+    if rate <= 0 or n < 1:
+        raise ValueError("a Poisson trace needs rate > 0 and n >= 1")
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(1.0) for _ in range(n)]
+    scale = n / rate / sum(gaps)
+    rows: list[dict[str, float | int]] = []
+    t = 0.0
+    for g in gaps:
+        rows.append({
+            "timestamp": round(t, 4),
+            "input_length": draw_length(rng, lengths.prompt, lengths.prompt_stdev,
+                                        lengths.prompt_min, lengths.prompt_max),
+            "output_length": draw_length(rng, lengths.output, lengths.output_stdev,
+                                         lengths.output_min, lengths.output_max),
+        })  # fmt: skip
+        t += g * scale
+    return rows
 
 
 def write_trace(rows: list[dict[str, float | int]], path: Path) -> Path:

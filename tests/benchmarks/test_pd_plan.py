@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from benchlib.launch import Placement, cpu_count, place
-from pd_bench import deployments, guidellm_driver, summary
-from pd_bench.workloads import BURSTY, PREFILL_HEAVY, bursty_trace
+from pd_bench import deployments, guidellm_driver, report, summary
+from pd_bench.workloads import BURSTY, CHAT, PREFILL_HEAVY, bursty_trace, poisson_trace
 
 from tandem.up import UpConfig, build_specs
 
@@ -60,11 +60,32 @@ def test_bursty_trace_shape() -> None:
     assert BURSTY.rate(1.0) == BURSTY.background_rate + BURSTY.burst_size / BURSTY.burst_every_s
 
 
+def test_poisson_trace_offers_exactly_its_rate() -> None:
+    rows = poisson_trace(PREFILL_HEAVY.lengths, 0.4, 8, seed=5)
+    assert len(rows) == 8 and rows[0]["timestamp"] == 0.0
+    ts = [r["timestamp"] for r in rows]
+    assert ts == sorted(ts) and len(set(ts)) == 8
+    # The 8 gaps (the last one ends the window at n / rate = 20 s) are rescaled to add up to it:
+    # the last arrival is one gap short of 20 s, and no raw sample's rate leaks through.
+    assert 0.0 < ts[-1] < 20.0
+    for seed in range(20):
+        tail = poisson_trace(PREFILL_HEAVY.lengths, 0.4, 8, seed=seed)[-1]["timestamp"]
+        assert tail < 20.0
+    assert all(1024 <= r["input_length"] <= 2048 and 64 <= r["output_length"] <= 256
+               for r in rows)  # fmt: skip
+    assert rows == poisson_trace(PREFILL_HEAVY.lengths, 0.4, 8, seed=5)
+    assert rows != poisson_trace(PREFILL_HEAVY.lengths, 0.4, 8, seed=6)
+    chat = poisson_trace(CHAT.lengths, 2.0, 200, seed=1)
+    assert all(128 <= r["input_length"] <= 384 for r in chat)
+    assert len({r["input_length"] for r in chat}) > 50  # a normal, not a constant
+    with pytest.raises(ValueError):
+        poisson_trace(CHAT.lengths, 0.0, 8, seed=1)
+
+
 def test_guidellm_command_line() -> None:
     target = guidellm_driver.Target("http://127.0.0.1:9", "m", "/tok")
-    run = guidellm_driver.poisson(PREFILL_HEAVY.lengths.data_arg(), 0.5, 20.0, min_requests=8)
-    assert run.max_requests == 10 and run.max_seconds == 100.0
-    assert guidellm_driver.poisson("d", 0.1, 20.0, min_requests=8).max_requests == 8
+    run = guidellm_driver.Run(PREFILL_HEAVY.lengths.data_arg(), "kind=poisson,rate=0.5", 10,
+                              100.0)  # fmt: skip
     argv = guidellm_driver.argv(target, run, Path("/o.json"), "guidellm", seed=1)
     assert argv[:2] == ["guidellm", "run"]
     opts = dict(zip(argv[2::2], argv[3::2], strict=False))
@@ -133,7 +154,24 @@ def test_summary_goodput_ratio_against_the_best_colocated() -> None:
     fixed = chat["deployments"]["pd-tcp-t0"]["fixed"]
     assert fixed["ttft_p50_ms"] == 15.0 and fixed["itl_token_p99_ms"] == 9.9
     assert summary.spread([s, s])["chat"]["t"] == {"values": [1.667, 1.667], "min": 1.667,
-                                                    "max": 1.667}  # fmt: skip
+                                                    "max": 1.667, "pd_only": 0}  # fmt: skip
+    assert chat["slo"]["t"]["itl_ms_by_prompt"][0] == [32, 7.5]  # 1.5 x the flat 5 ms
+
+
+def test_summary_says_when_only_pd_meets_the_slo() -> None:
+    cal = _point("calibration", 0.0, [[0.0, 100, 16, 10.0, 5.0, 1.0, True],
+                                      [1.0, 200, 16, 10.0, 5.0, 1.0, True]])  # fmt: skip
+    ok, slow = [0.0, 100, 16, 15.0, 5.0, 1.0, True], [0.0, 100, 16, 15.0, 9.0, 1.0, True]
+    colo = {"deployment": "colo2", "kind": "colocated-x2",
+            "points": [cal, _point("chat", 1.0, [slow] * 10)]}  # fmt: skip
+    pd = {"deployment": "pd-tcp-t64", "kind": "pd",
+          "points": [cal, _point("chat", 1.0, [ok] * 10)]}  # fmt: skip
+    s = summary.summarize_repeat([colo, pd], [summary.SloSetting("t", 2, 1.5)], 0.9, {})
+    chat = s["workloads"]["chat"]
+    assert chat["ratio"]["t"] is None and chat["pd_only"]["t"] is True
+    assert summary.spread([s])["chat"]["t"]["pd_only"] == 1
+    table = report.workload_table("chat", chat, ["t"])
+    assert "P/D / best colocated **P/D only**" in table
     assert dataclasses.asdict(summary.SloSetting("t", 2, 1.5)) == {"name": "t", "ttft_x": 2,
                                                                    "itl_x": 1.5}  # fmt: skip
 

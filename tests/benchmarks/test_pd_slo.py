@@ -5,6 +5,7 @@ import math
 import pytest
 from pd_bench.latency import bucket_delta, cdf, histogram_quantile, percentile
 from pd_bench.slo import (
+    ItlProfile,
     Req,
     TtftProfile,
     Unloaded,
@@ -35,9 +36,22 @@ def test_ttft_profile_interpolates_and_never_falls() -> None:
         TtftProfile.of([])
 
 
+def test_itl_profile_is_a_least_squares_line_that_never_falls() -> None:
+    # (0, 5), (100, 7), (200, 9): exactly 5 + 0.02 per token.
+    p = ItlProfile.fit([(0, 5.0), (100, 7.0), (200, 9.0)])
+    assert p == ItlProfile(5.0, 0.02)
+    assert p.at(2000) == 45.0
+    # Noise: (0, 6), (100, 4), (200, 7), (300, 5) has slope -0.001 -> clamped: the mean, 5.5.
+    assert ItlProfile.fit([(0, 6.0), (100, 4.0), (200, 7.0), (300, 5.0)]) == ItlProfile(5.5, 0.0)
+    assert ItlProfile.fit([(32, 4.0), (32, 6.0)]) == ItlProfile(5.0, 0.0)  # one length: flat
+    with pytest.raises(ValueError):
+        ItlProfile.fit([])
+
+
 def test_unloaded_profiles_completed_requests_only() -> None:
     u = unloaded([req(100, 20, 5), req(300, 60, 7), req(200, None, None, done=False)])
     assert u.ttft.points == ((100, 20), (300, 60))
+    assert u.itl == ItlProfile(4.0, 0.01)
     assert u.itl_ms == 6.0
     assert u.requests == 2
     with pytest.raises(ValueError):
@@ -45,15 +59,21 @@ def test_unloaded_profiles_completed_requests_only() -> None:
 
 
 def test_slo_uses_the_best_deployment_per_prompt_length() -> None:
-    fast_short = Unloaded(TtftProfile(((0, 10.0), (100, 110.0), (200, 210.0))), 8.0, 4)
-    fast_long = Unloaded(TtftProfile(((0, 60.0), (200, 160.0))), 5.0, 4)
+    # ITL: one deployment flat at 8 ms, the other 4 ms + 0.02 per token: the envelope is the
+    # second up to 200 tokens, the first beyond.
+    fast_short = Unloaded(TtftProfile(((0, 10.0), (100, 110.0), (200, 210.0))),
+                          ItlProfile(8.0, 0.0), 8.0, 4)  # fmt: skip
+    fast_long = Unloaded(TtftProfile(((0, 60.0), (200, 160.0))), ItlProfile(4.0, 0.02), 5.0, 4)
     slo = make_slo([fast_short, fast_long], ttft_x=2.0, itl_x=1.5)
     assert slo.ttft_ms(50) == 2.0 * 60.0
     assert slo.ttft_ms(200) == 2.0 * 160.0
-    assert slo.itl_limit_ms() == 7.5
+    assert slo.itl_limit_ms(50) == 1.5 * 5.0
+    assert slo.itl_limit_ms(1000) == 1.5 * 8.0
     assert slo.meets(req(50, 120.0, 7.5))
     assert not slo.meets(req(50, 120.1, 1.0))
     assert not slo.meets(req(50, 1.0, 7.6))
+    assert slo.meets(req(1000, 300.0, 12.0))  # a long context's ITL is judged at its length
+    assert not slo.meets(req(1000, 300.0, 12.1))
     assert slo.meets(req(50, 1.0, None))  # one output token: no ITL to judge
     assert not slo.meets(req(50, None, None, done=False))
     with pytest.raises(ValueError):
@@ -61,7 +81,7 @@ def test_slo_uses_the_best_deployment_per_prompt_length() -> None:
 
 
 def test_attainment_counts_unfinished_requests_as_misses() -> None:
-    slo = make_slo([Unloaded(flat(10.0), 10.0, 2)], 1.0, 1.0)
+    slo = make_slo([Unloaded(flat(10.0), ItlProfile(10.0, 0.0), 10.0, 2)], 1.0, 1.0)
     reqs = [req(1, 5, 5), req(1, 5, 5), req(1, 50, 5), req(1, None, None, done=False)]
     assert attainment(reqs, slo) == 0.5
     assert attainment([], slo) == 0.0
