@@ -136,7 +136,10 @@ class EngineThread:
                     log.exception("delivering to stream %s failed", out.group_id)
 
     def _end_streams(self, message: str) -> None:
-        self._hand_over([fatal_output(group_id, message) for group_id in list(self._sinks)])
+        try:
+            self._hand_over([fatal_output(group_id, message) for group_id in list(self._sinks)])
+        except Exception:  # noqa: BLE001 - e.g. the loop closed: pending calls and on_fatal remain
+            log.exception("ending the streams failed")
 
     def _fail_pending(self) -> None:
         while True:
