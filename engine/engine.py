@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 
 import torch
 
@@ -17,7 +18,13 @@ from tandem.engine.hashing import BlockHash
 from tandem.engine.hooks import ColocatedHooks, RoleHooks
 from tandem.engine.kv_cache_manager import cdiv
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.outputs import EngineOutput, EngineStats, HostTierStats, SchedulerOutput
+from tandem.engine.outputs import (
+    EngineOutput,
+    EngineStats,
+    HostTierStats,
+    SchedulerOutput,
+    request_outputs,
+)
 from tandem.engine.recovery import (
     Accounting,
     EngineFailed,
@@ -240,7 +247,7 @@ class Engine:
         attributed to end with an error and the engine keeps serving; EngineFailed when its
         state cannot be restored."""
         outputs: list[EngineOutput] = []
-        victims: list[Request] | None = None  # None: the failure is not attributable
+        ran: SchedulerOutput | None = None  # None: a failure is not attributable
         try:
             sched = self.scheduler
             outputs += self._finals(self.hooks.before_step(sched))
@@ -254,21 +261,19 @@ class Engine:
             outputs += self._finals(self.hooks.on_scheduled(sched, out))
             changed: list[Request] = []
             if not out.is_empty:
-                victims = [s.request for s in out.scheduled]
+                ran = out  # a failure from here on is the scheduled requests'
                 result = self.runner.execute(out)
-                self.num_prompt_tokens += _prompt_tokens(out)
+                self.num_prompt_tokens += out.num_prompt_tokens
                 changed = sched.update(out, result)
         except Exception as exc:  # noqa: BLE001 - contained; EngineFailed escapes
             self._failed_steps += 1
             if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
                 raise EngineFailed(f"{self._failed_steps} steps in a row failed: {exc!r}") from exc
+            victims = None if ran is None else [s.request for s in ran.scheduled]
             return outputs + contain(self, exc, victims)
         self._failed_steps = 0
-        for req in changed:
-            try:
-                outputs.append(self._process(req, result.logprobs.get(req.request_id)))
-            except Exception as exc:  # noqa: BLE001 - attributable to this request alone
-                outputs += contain(self, exc, [req])
+        if changed:
+            outputs += self._step_outputs(changed, result.logprobs)
         return outputs
 
     def _finish_host_loads(self) -> list[Request]:
@@ -284,18 +289,38 @@ class Engine:
     def _finals(self, ended: list[Request]) -> list[EngineOutput]:
         return [self._final(r) for r in ended if r.request_id in self._requests]
 
-    def _process(self, req: Request, logprobs: TokenLogprobs | None) -> EngineOutput:
-        self.num_generation_tokens += 1
-        out = _output(req, [req.output_token_ids[-1]], [logprobs] if logprobs is not None else [])
-        if out.finished:
-            if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
-                self.hooks.on_handoff(req, out)
-            self._forget(req)
-        return out
+    def _step_outputs(
+        self, changed: list[Request], logprobs: dict[str, TokenLogprobs | None]
+    ) -> list[EngineOutput]:
+        """The outputs of the requests that produced a token this step, built in one pass (if
+        that fails, request by request); each finished one retires. A request whose output
+        fails is contained alone."""
+        try:
+            outs: list[EngineOutput] | None = request_outputs(changed, logprobs)
+        except Exception:  # noqa: BLE001 - found and contained request by request below
+            outs = None
+        if outs is not None and not any(map(_finished, outs)):
+            self.num_generation_tokens += len(outs)
+            return outs  # the common step: nothing ended
+        kept: list[EngineOutput] = []
+        for i, req in enumerate(changed):
+            self.num_generation_tokens += 1
+            try:
+                out = outs[i] if outs is not None else request_outputs([req], logprobs)[0]
+                if out.finished:
+                    if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
+                        self.hooks.on_handoff(req, out)
+                    self._forget(req)
+            except Exception as exc:  # noqa: BLE001 - attributable to this request alone
+                kept += contain(self, exc, [req])
+                continue
+            kept.append(out)
+        return kept
 
     def _final(self, req: Request) -> EngineOutput:
         self._forget(req)
-        return _output(req, [], [])
+        (out,) = request_outputs([req], {}, new_token=False)
+        return out
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
@@ -359,31 +384,4 @@ class Engine:
         return cdiv(num_tokens, self.layout.block_size)
 
 
-def _prompt_tokens(out: SchedulerOutput) -> int:
-    """Prompt tokens computed by the step (its chunks' part short of each prompt's end)."""
-    total = 0
-    for s in out.scheduled:
-        req = s.request
-        left = len(req.prompt_token_ids) - req.num_computed_tokens
-        if left > 0:
-            total += min(s.num_new_tokens, left)
-    return total
-
-
-def _output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineOutput:
-    """A request's step output: its delta plus its state (finish reason, counts, error)."""
-    status = req.status
-    finished = status >= RequestStatus.FINISHED_STOPPED
-    return EngineOutput(
-        req.request_id,
-        req.group_id,
-        req.group_index,
-        tokens,
-        finished,
-        status.finish_reason if finished else None,
-        req.stop_reason,
-        logprobs,
-        len(req.prompt_token_ids),
-        max(req.num_cached_tokens, 0),
-        req.error,
-    )
+_finished = attrgetter("finished")

@@ -15,6 +15,8 @@ lists of the previous step are held here, so none can be freed and its address r
 from __future__ import annotations
 
 import itertools
+from itertools import compress
+from operator import is_not
 
 import numpy as np
 
@@ -39,9 +41,7 @@ class BlockTables:
         arr = self._array
         if n > arr.shape[0] or width > arr.shape[1] or len(prev) != n:
             return self._rebuild(tables, width)
-        changed = [
-            i for i, (new, old) in enumerate(zip(tables, prev, strict=True)) if new is not old
-        ]
+        changed = list(compress(range(n), map(is_not, tables, prev)))  # C-level, no frames
         if len(changed) * _REBUILD_SHARE > n:
             return self._rebuild(tables, width)
         for i in changed:

@@ -6,6 +6,8 @@ It owns the KV cache tensor, allocated from the engine's ``KVLayout`` (see kv_la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +40,17 @@ class StepInputs:
     argmax_only: bool = False
 
 
+# Field readers for prepare()'s C-level maps over the step's rows.
+_request = attrgetter("request")
+_num_new = attrgetter("num_new_tokens")
+_sample = attrgetter("sample")
+_computed = attrgetter("num_computed_tokens")
+_block_ids = attrgetter("block_ids")
+_all_tokens = attrgetter("all_token_ids")
+_params = attrgetter("params")
+_request_id = attrgetter("request_id")
+
+
 class ModelRunner:
     """Owned by the Engine. Owns the model, the KV cache tensor and the sampler."""
 
@@ -59,28 +72,33 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # CPU, float32: the whole step in one C call (engine/cpu_forward.py), set by the builder.
         self.cpu_forward: CpuForward | None = None
+        self._on_cpu = device.type == "cpu"
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host).
 
-        A decode-only step (one token per row, the steady state) reads each request once, in
-        list comprehensions, and does the rest in numpy; steps with prefill chunks go row by row.
+        A decode-only step (one token per row, the steady state) reads each request's fields
+        with C-level ``map``s (no Python frame per request) and does the rest in numpy; steps
+        with prefill chunks go row by row.
         """
         bs = self.layout.block_size
         sched = out.scheduled
-        reqs = [s.request for s in sched]
-        qlens = [s.num_new_tokens for s in sched]
-        starts = [r.num_computed_tokens for r in reqs]
-        tables = [r.block_ids for r in reqs]
-        block_tables = self.block_tables.build(tables, max(map(len, tables)))
-        sample_seqs = [i for i, s in enumerate(sched) if s.sample]
         num_seqs = len(sched)
+        reqs = list(map(_request, sched))
+        qlens = list(map(_num_new, sched))
+        starts = list(map(_computed, reqs))
+        tables = list(map(_block_ids, reqs))
+        block_tables = self.block_tables.build(tables, max(map(len, tables)))
+        flags = list(map(_sample, sched))
+        all_sampled = all(flags)
+        sample_seqs = range(num_seqs) if all_sampled else list(compress(range(num_seqs), flags))
         if num_seqs == sum(qlens):
-            tokens = [r.all_token_ids[c] for r, c in zip(reqs, starts, strict=True)]
-            ids = np.array(tokens, dtype=np.int64)
+            ids = np.array(list(map(getitem, map(_all_tokens, reqs), starts)), dtype=np.int64)
             pos = np.array(starts, dtype=np.int64)
-            slots = block_tables[np.arange(num_seqs), pos // bs].astype(np.int64) * bs + pos % bs
-            sample_rows = np.array(sample_seqs, dtype=np.int64)
+            blk, off = np.divmod(pos, bs)
+            rows = np.arange(num_seqs, dtype=np.int64)
+            slots = block_tables[rows, blk].astype(np.int64) * bs + off
+            sample_rows = rows if all_sampled else rows[sample_seqs]
             context = pos.astype(np.int32)
             seq_lens = torch.from_numpy(context + 1)
             context_lens = torch.from_numpy(context)
@@ -96,30 +114,34 @@ class ModelRunner:
             query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
             torch.cumsum(query_lens, 0, out=query_start_loc[1:])
             context_lens = seq_lens - query_lens
-        sample_reqs = [reqs[i] for i in sample_seqs]
-        dev = self.device
+        sample_reqs = reqs if all_sampled else [reqs[i] for i in sample_seqs]
+        params = list(map(_params, sample_reqs))
+        dev = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=seq_lens.to(dev),
-            context_lens=context_lens.to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=dev(torch.from_numpy(slots)),
+            query_start_loc=dev(query_start_loc),
+            seq_lens=dev(seq_lens),
+            context_lens=dev(context_lens),
+            block_tables=dev(torch.from_numpy(block_tables)),
             max_query_len=max(qlens),
             max_seq_len=max(slens),
             query_lens_cpu=qlens,
             seq_lens_cpu=slens,
         )
         return StepInputs(
-            input_ids=torch.from_numpy(ids).to(dev),
-            positions=torch.from_numpy(pos).to(dev),
+            input_ids=dev(torch.from_numpy(ids)),
+            positions=dev(torch.from_numpy(pos)),
             meta=meta,
-            sample_rows=torch.from_numpy(sample_rows).to(dev),
-            sample_request_ids=[r.request_id for r in sample_reqs],
+            sample_rows=dev(torch.from_numpy(sample_rows)),
+            sample_request_ids=list(map(_request_id, sample_reqs)),
             sample_requests=sample_reqs,
             all_rows_sampled=len(sample_rows) == len(ids),
             # Requests often share one SamplingParams: each distinct one is checked once.
-            argmax_only=argmax_only(list({id(r.params): r.params for r in sample_reqs}.values())),
+            argmax_only=argmax_only(list(dict(zip(map(id, params), params, strict=True)).values())),
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._on_cpu else t.to(self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, inputs: StepInputs | None = None) -> ModelRunnerOutput:

@@ -9,13 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.request import RequestStatus
+
 if TYPE_CHECKING:
     from tandem.engine.request import Request
     from tandem.engine.sampler import TokenLogprobs
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class ScheduledRequest:
+    """One row of a step. Frozen: the scheduler reuses a running request's decode row."""
+
     request: Request
     num_new_tokens: int
     # The chunk reaches the last known token, so its last position's logits are sampled.
@@ -37,6 +41,8 @@ class LoadSpec:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Of those, tokens of prompts (the chunks' parts short of each prompt's end).
+    num_prompt_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     # KV loads admitted this step, for the role hooks to start (decode role).
     loads: list[LoadSpec] = field(default_factory=list)
@@ -70,6 +76,31 @@ class EngineOutput:
     error: str | None = None
     # Prefill role: where the decode worker pulls this request's KV from (wire dict).
     kv_transfer_params: dict[str, Any] | None = None
+
+
+def request_outputs(
+    reqs: list[Request], logprobs: dict[str, TokenLogprobs | None], new_token: bool = True
+) -> list[EngineOutput]:
+    """Each request's step output: its newest token (``new_token``) and that token's logprobs if
+    sampled, plus its state (finish reason, counts, error). One comprehension: at 256 decoding
+    sequences a function call per request was a sixth of the engine thread's time."""
+    fin, out = RequestStatus.FINISHED_STOPPED, EngineOutput
+    return [
+        out(
+            r.request_id,
+            r.group_id,
+            r.group_index,
+            [r.output_token_ids[-1]] if new_token else [],
+            (status := r.status) >= fin,
+            status.finish_reason if status >= fin else None,
+            r.stop_reason,
+            [lp] if logprobs and (lp := logprobs.get(r.request_id)) is not None else [],
+            len(r.prompt_token_ids),
+            max(r.num_cached_tokens, 0),
+            r.error,
+        )
+        for r in reqs
+    ]
 
 
 @dataclass(slots=True, frozen=True)

@@ -76,8 +76,8 @@ def accounting(engine: Engine) -> Accounting:
 def check_engine_integrity(engine: Engine) -> None:
     """Raise AssertionError naming the first inconsistency: the pools and block tables
     (``KVCacheManager.check_integrity``, the host tier's with ``Engine.check_tier_integrity``),
-    each queue's statuses, no request in two queues, and every block table owned by a request
-    the scheduler still holds."""
+    each queue's statuses, no request in two queues, no reused decode row left by one that
+    ended, and every block table owned by a request the scheduler still holds."""
     s = engine.scheduler
     engine.kv.check_integrity()
     engine.check_tier_integrity()
@@ -93,6 +93,11 @@ def check_engine_integrity(engine: Engine) -> None:
             if r.request_id in seen:
                 raise AssertionError(f"{r.request_id} is in {seen[r.request_id]} and {name}")
             seen[r.request_id] = name
+    stale = (
+        s.decode_rows.keys() - {r.request_id for r in [*s.running, *s.waiting]} - s.loading.keys()
+    )
+    if stale:
+        raise AssertionError(f"decode rows of requests no longer queued: {sorted(stale)[:5]}")
     for r in s.running:
         if r.status not in _RUNNING:
             raise AssertionError(f"running request {r.request_id} has status {r.status.name}")

@@ -110,7 +110,8 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
                 parts = build_simulated_parts(config.engine, config.simulate)
             else:
                 parts = build_engine_parts(config.engine)
-            return WorkerService(config, role, parts, on_fatal)
+            # Each step's outputs reach the streams' queues in one hand-over to this loop.
+            return WorkerService(config, role, parts, on_fatal, post=loop.call_soon_threadsafe)
 
         service = await asyncio.to_thread(build)
         service.start()
@@ -269,11 +270,8 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
             return _error(
                 409, f"request_id {greq.request_id!r} is already in use", "request_id", "conflict"
             )
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        s.thread.subscribe(
-            greq.request_id, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o)
-        )
+        s.thread.subscribe(greq.request_id, queue.put_nowait)  # run on this loop (post)
         try:
             await asyncio.wrap_future(s.thread.call(lambda e: s.submit(greq)))
         except BadRequest as exc:

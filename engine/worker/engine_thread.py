@@ -1,7 +1,11 @@
 """EngineThread: runs the engine's step loop on its own thread so request handling never stalls it.
 
 Other threads (the worker's asyncio loop) only ever reach the engine through ``call``; outputs come
-back through per-request sinks, which must be cheap and thread-safe (e.g. call_soon_threadsafe).
+back through per-request sinks. With ``post`` (the loop's ``call_soon_threadsafe``) each step's
+outputs cross to the loop in one hand-over and the sinks run there, so they may be plain
+``Queue.put_nowait``; without it the sinks run on the engine thread and must be thread-safe. One
+hand-over per step, not one per output: at 256 decoding sequences a ``call_soon_threadsafe``
+per output cost the engine thread more than its whole step outside the model.
 
 A failed step is contained by the engine itself (``engine/recovery.py``). If the thread dies
 anyway (``EngineFailed``, or a failure outside the step), every subscribed stream gets one final
@@ -34,8 +38,10 @@ class EngineThread:
         after_step: Callable[[Engine], None] | None = None,
         idle_wait_s: float = 0.05,
         on_fatal: Callable[[BaseException], None] | None = None,
+        post: Callable[..., object] | None = None,
     ) -> None:
         self.engine = engine
+        self._post = post
         self._after_step = after_step
         self._on_fatal = on_fatal
         self._idle_wait = idle_wait_s
@@ -71,7 +77,8 @@ class EngineThread:
         return fut
 
     def subscribe(self, group_id: str, sink: Sink) -> None:
-        """Route every output of the request group to sink (called from any thread)."""
+        """Route every output of the request group to sink (called from any thread; the sink
+        runs where ``post`` runs the step's hand-over, else on the engine thread)."""
         self._sinks[group_id] = sink
 
     def unsubscribe(self, group_id: str) -> None:
@@ -95,10 +102,8 @@ class EngineThread:
             while not self._stop.is_set():
                 self._drain_commands(block=not self._busy())
                 outputs = self.engine.step()
-                for out in outputs:
-                    sink = self._sinks.get(out.group_id)
-                    if sink is not None:
-                        sink(out)
+                if outputs:
+                    self._hand_over(outputs)
                 if self._after_step is not None:
                     self._after_step(self.engine)
                 self.stats = self.engine.stats()
@@ -113,12 +118,28 @@ class EngineThread:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
 
+    def _hand_over(self, outputs: list[EngineOutput]) -> None:
+        if self._post is None:
+            self._deliver(outputs)
+        else:
+            self._post(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        """Each output to its group's sink (where ``post`` runs this: the loop, if given)."""
+        sinks = self._sinks
+        for out in outputs:
+            sink = sinks.get(out.group_id)
+            if sink is not None:
+                try:
+                    sink(out)
+                except Exception:  # noqa: BLE001 - every other stream must still get its own
+                    log.exception("delivering to stream %s failed", out.group_id)
+
     def _end_streams(self, message: str) -> None:
-        for group_id, sink in list(self._sinks.items()):
-            try:
-                sink(fatal_output(group_id, message))
-            except Exception:  # noqa: BLE001 - every other stream must still end
-                log.exception("ending stream %s failed", group_id)
+        try:
+            self._hand_over([fatal_output(group_id, message) for group_id in list(self._sinks)])
+        except Exception:  # noqa: BLE001 - e.g. the loop closed: pending calls and on_fatal remain
+            log.exception("ending the streams failed")
 
     def _fail_pending(self) -> None:
         while True:

@@ -60,6 +60,7 @@ class WorkerService:
         role: WorkerRole,
         parts: EngineParts,
         on_fatal: Callable[[BaseException], None] | None = None,
+        post: Callable[..., object] | None = None,
     ) -> None:
         self.config = config
         self.role = role
@@ -93,7 +94,9 @@ class WorkerService:
             self.engine_id, host=config.host, port=config.kv_events_port, token=config.cluster_token
         )
         self.events_endpoint = self.events.endpoint.replace(config.host, host, 1)
-        self.thread = EngineThread(self.engine, after_step=self._after_step, on_fatal=on_fatal)
+        self.thread = EngineThread(
+            self.engine, after_step=self._after_step, on_fatal=on_fatal, post=post
+        )
         seqs = parts.config.scheduler.max_num_seqs
         self.max_waiting = config.max_waiting_requests or WAITING_PER_SEQ * seqs
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import tandem.engine.engine as engine_module
 from tandem.engine.engine import MAX_CONSECUTIVE_FAILED_STEPS, Engine, EngineFailed
 from tandem.engine.llm import build_engine_config
 from tandem.engine.outputs import EngineOutput
@@ -85,20 +86,43 @@ def test_a_failed_model_run_fails_its_batch_and_the_rest_continue(monkeypatch) -
 def test_an_output_failure_fails_that_request_alone(engine: Engine, monkeypatch) -> None:
     a, b = [256, 5, 6, 7], [256, 8, 9, 10, 11]
     expected_b = reference(engine, b)
-    real = engine._process
+    real = engine_module.request_outputs
 
-    def bad(req, logprobs):  # noqa: ANN001, ANN202
-        if req.request_id == "a" and req.num_output_tokens == 3:
+    def bad(reqs, logprobs, new_token=True):  # noqa: ANN001, ANN202
+        # The step's outputs are built in one pass: a failure there is found request by request.
+        if new_token and any(r.request_id == "a" and r.num_output_tokens == 3 for r in reqs):
             raise ValueError("injected output failure")
-        return real(req, logprobs)
+        return real(reqs, logprobs, new_token)
 
-    monkeypatch.setattr(engine, "_process", bad)
+    monkeypatch.setattr(engine_module, "request_outputs", bad)
     engine.add_request("a", a, params())
     engine.add_request("b", b, params())
     outs = run(engine)
     assert outs["a"][-1].finish_reason == "error" and len(tokens(outs["a"])) == 2
     # The request batched with it lost no token.
     assert tokens(outs["b"]) == expected_b
+
+
+def test_a_failed_hand_off_fails_that_request_alone(engine: Engine, monkeypatch) -> None:
+    """A request that ends in a step whose outputs are built together (here a prefill hand-off
+    whose publication fails) is contained alone: its batch-mates keep every token."""
+    b = [256, 8, 9, 10, 11]
+    expected_b = reference(engine, b)
+
+    def bad(req, out):  # noqa: ANN001, ANN202
+        raise ValueError("injected hand-off failure")
+
+    monkeypatch.setattr(engine.hooks, "on_admit", lambda req: None)  # a prefill worker's
+    monkeypatch.setattr(engine.hooks, "on_handoff", bad)
+    (a,) = engine.make_requests("a", [256, 5, 6, 7], params())
+    a.remote_decode = True
+    engine.enqueue(a)
+    engine.add_request("b", b, params())
+    outs = run(engine)
+    assert [o.finish_reason for o in outs["a"]] == ["error"]
+    assert "injected hand-off failure" in (outs["a"][-1].error or "")
+    assert tokens(outs["b"]) == expected_b and outs["b"][-1].finish_reason == "length"
+    assert not engine.scheduler.pinned
 
 
 def test_corrupt_state_is_reset_and_the_engine_serves_again(engine: Engine, monkeypatch) -> None:

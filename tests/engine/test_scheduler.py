@@ -5,7 +5,7 @@ from __future__ import annotations
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.outputs import ModelRunnerOutput
+from tandem.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -104,3 +104,45 @@ def test_a_duplicate_block_is_cached_once_its_hash_is_free() -> None:
     assert s.kv.pool.get_cached_block(h).block_id == b.block_ids[0]
     assert s.kv.lagging == set()
     s.kv.check_integrity()
+
+
+def test_the_running_order_follows_priority_as_requests_join_and_leave() -> None:
+    """schedule() re-sorts ``running`` only when its membership changed since the last sort
+    (a running request's key never changes): every step's order is the priority order."""
+    s = scheduler(num_blocks=64)
+    s.add_request(make("low", 2, priority=5, arrival=0))
+    assert [rid for rid, _ in step(s)] == ["low"]
+    s.add_request(make("mid", 2, priority=3, arrival=1))
+    assert [rid for rid, _ in step(s)] == ["low", "mid"]  # running first, then admissions
+    assert [rid for rid, _ in step(s)] == ["mid", "low"]  # running sorted by priority
+    s.add_request(make("high", 2, priority=0, arrival=2))
+    assert [rid for rid, _ in step(s)] == ["mid", "low", "high"]
+    assert [rid for rid, _ in step(s)] == ["high", "mid", "low"]
+    assert [rid for rid, _ in step(s)] == ["high", "mid", "low"]  # unchanged, not re-sorted
+    s.finish_requests(["mid"], RequestStatus.FINISHED_ABORTED)
+    s.add_request(make("top", 2, priority=-1, arrival=3))
+    assert [rid for rid, _ in step(s)] == ["high", "low", "top"]
+    assert [rid for rid, _ in step(s)] == ["top", "high", "low"]
+    s.kv.check_integrity()
+
+
+def test_num_prompt_tokens_counts_the_prompt_part_of_each_chunk() -> None:
+    s = scheduler(max_num_batched_tokens=6)
+    s.add_request(make("a", 3, arrival=0))
+    s.add_request(make("b", 10, arrival=1))
+    counts = []
+    for _ in range(4):
+        out = s.schedule()
+        counts.append(out.num_prompt_tokens)
+        sampled = {x.request.request_id: 7 for x in out.scheduled if x.sample}
+        s.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
+    # a: 3, then decodes; b: chunks of 3, 5 and 2, then decodes.
+    assert counts == [6, 5, 2, 0]
+    # Recomputed after a preemption: the prompt part counts again, the output tokens never.
+    (b,) = [r for r in s.running if r.request_id == "b"]
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    s._preempt(b, SchedulerOutput())
+    out = s.schedule()
+    ((req, num_new),) = [(x.request, x.num_new_tokens) for x in out.scheduled]
+    assert req is b and b.num_computed_tokens < 10 < b.num_computed_tokens + num_new
+    assert out.num_prompt_tokens == 10 - b.num_computed_tokens

@@ -1,0 +1,79 @@
+"""EngineThread's hand-over of outputs: with ``post`` each step's outputs cross in one call and
+the sinks run where it runs them; without it the sinks run on the engine thread. A dying thread
+ends every stream in one hand-over too."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from tandem.engine.engine import Engine, EngineFailed
+from tandem.engine.llm import build_engine_config
+from tandem.engine.outputs import EngineOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.worker.engine_thread import EngineThread
+
+PROMPTS = {"a": [256, 5, 6, 7], "b": [256, 8, 9], "c": [256, 1, 2, 3, 4]}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_each_step_hands_its_outputs_over_in_one_post() -> None:
+    engine = Engine(build_engine_config("demo", num_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = {rid: [] for rid in PROMPTS}
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished:
+        for o in engine.step():
+            expected[o.request_id] += o.new_token_ids
+
+    posts: list[tuple[Callable[[list[EngineOutput]], None], list[EngineOutput]]] = []
+    lock = threading.Lock()
+
+    def post(fn: Callable[[list[EngineOutput]], None], outputs: list[EngineOutput]) -> None:
+        with lock:
+            posts.append((fn, outputs))
+
+    thread = EngineThread(engine, post=post)
+    got: dict[str, list[EngineOutput]] = {rid: [] for rid in PROMPTS}
+    for rid in PROMPTS:
+        thread.subscribe(rid, got[rid].append)
+    thread.start()
+    try:
+        thread.call(lambda e: [e.add_request(r, p, params) for r, p in PROMPTS.items()]).result()
+        wait_for(lambda: not thread.busy() and bool(posts))
+    finally:
+        thread.stop()
+    assert all(not got[rid] for rid in PROMPTS)  # nothing ran on the engine thread
+    assert len(posts) == 6  # one per step: the prompts together, then 5 decodes
+    for fn, outputs in posts:
+        assert len({o.request_id for o in outputs}) == len(outputs)  # a step's whole batch
+        fn(outputs)
+    for rid in PROMPTS:
+        assert [t for o in got[rid] for t in o.new_token_ids] == expected[rid]
+        assert [o.finished for o in got[rid]] == [False] * 5 + [True]
+
+
+def test_a_dying_thread_ends_every_stream_in_one_hand_over() -> None:
+    engine = Engine(build_engine_config("demo", num_blocks=64))
+    posts: list[list[EngineOutput]] = []
+
+    def broken() -> list[EngineOutput]:
+        raise EngineFailed("injected")
+
+    engine.step = broken  # type: ignore[method-assign]
+    thread = EngineThread(engine, post=lambda fn, outputs: posts.append(outputs))
+    for rid in ("x", "y"):
+        thread.subscribe(rid, lambda o: None)
+    thread.start()
+    wait_for(lambda: not thread.alive)
+    ((x, y),) = posts
+    assert (x.group_id, y.group_id) == ("x", "y")
+    assert all(o.finished and o.index == -1 and o.finish_reason == "error" for o in (x, y))
