@@ -37,9 +37,12 @@ def workload_table(w: str, s: dict[str, Any], slo_names: list[str]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     for n in slo_names:
         bc, bp, ratio = s["best_colocated"].get(n), s["best_pd"].get(n), s["ratio"].get(n)
-        verdict = (f"**{_fmt(ratio)}x**" if ratio is not None else
-                   "**P/D only** (no colocated deployment meets it at any rate)"
-                   if s.get("pd_only", {}).get(n) else "**-** (neither meets it)")  # fmt: skip
+        if ratio is not None:
+            verdict = f"**{_fmt(ratio)}x**"
+        elif s.get("pd_only", {}).get(n):
+            verdict = "**P/D only** (no colocated deployment meets it at any rate)"
+        else:
+            verdict = "**-** (neither meets it)"
         lines.append(f"\n{n}: best colocated {bc}, best P/D {bp}, P/D / best colocated "
                      f"{verdict}")  # fmt: skip
     return "\n".join(lines)

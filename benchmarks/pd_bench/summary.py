@@ -181,14 +181,14 @@ def summarize_repeat(records: list[dict[str, Any]], settings: Sequence[SloSettin
 def spread(per_repeat: list[dict[str, Any]]) -> dict[str, Any]:
     """Each workload's P/D / best-colocated ratio per SLO setting over the repeats."""
     out: dict[str, Any] = {}
-    only: dict[str, dict[str, int]] = {}
     for rep in per_repeat:
         for w, s in rep["workloads"].items():
             for n, ratio in s["ratio"].items():
-                out.setdefault(w, {}).setdefault(n, []).append(ratio)
-                hit = int(bool(s.get("pd_only", {}).get(n)))
-                only.setdefault(w, {})[n] = only.get(w, {}).get(n, 0) + hit
-    return {w: {n: {"values": v, "min": min((x for x in v if x is not None), default=None),
-                    "max": max((x for x in v if x is not None), default=None),
-                    "pd_only": only[w][n]}
-                for n, v in by.items()} for w, by in out.items()}  # fmt: skip
+                e = out.setdefault(w, {}).setdefault(n, {"values": [], "pd_only": 0})
+                e["values"].append(ratio)
+                e["pd_only"] += bool(s.get("pd_only", {}).get(n))
+    return {w: {n: {"values": e["values"],
+                    "min": min((x for x in e["values"] if x is not None), default=None),
+                    "max": max((x for x in e["values"] if x is not None), default=None),
+                    "pd_only": e["pd_only"]}
+                for n, e in by.items()} for w, by in out.items()}  # fmt: skip
