@@ -30,10 +30,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "cpu_forward.cpp")
+SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "cpu_linear.cpp", _HERE / "cpu_forward.cpp")
 HEADERS = (_HERE / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 3
+ABI_VERSION = 4
 DISABLE_ENV = "TANDEM_CPU_KERNELS"
 _BUILD_TIMEOUT_S = 300
 

@@ -8,7 +8,9 @@
 // counterpart of the CUDA graphs the GPU path uses: the per-op Python dispatch of an eager step
 // (hundreds of small calls at batch 1) becomes one call. The kernels are cpu_kernels.cpp's, the
 // same the checked wrappers run and tests/kernels holds to the PyTorch references; the matrix
-// products are the sgemm_ of the BLAS torch itself uses (MKL), looked up in torch's library.
+// products of steps with at most Plan::linear_rows rows run cpu_linear.cpp's kernel (it streams
+// the weights faster than the BLAS at a few rows), larger ones the sgemm_ of the BLAS torch
+// itself uses (MKL), looked up in torch's library.
 // tests/engine holds the whole forward to the eager model and to Hugging Face, token for token.
 
 #include <cstdint>
@@ -38,6 +40,7 @@ struct Plan {
   float* kv_cache;  // [blocks, layers, 2, block_size, kv_heads, head_dim], contiguous
   const int64_t* layers;  // [num_layers, kNumFields]
   sgemm_t sgemm;
+  int linear_rows;  // steps of at most this many rows skip the BLAS (cpu_ops.LINEAR_MAX_ROWS)
 };
 
 struct Step {
@@ -56,7 +59,9 @@ struct Step {
 };
 
 // C[T, N] = A[T, K] @ W[N, K]^T, all row-major and contiguous (column-major BLAS: C^T = W A^T).
-void linear(const Plan& p, const float* a, const float* w, float* c, int t, int n, int k) {
+void linear(const Plan& p, const float* a, const float* w, float* c, int t, int n, int k,
+            int nt) {
+  if (t <= p.linear_rows) return tandem_linear_f32(a, k, w, nullptr, c, n, t, n, k, nt);
   const float one = 1.f, zero = 0.f;
   p.sgemm("T", "N", &n, &t, &k, &one, w, &k, a, &k, &zero, c, &n);
 }
@@ -102,7 +107,7 @@ int tandem_llama_forward_f32(const Plan* plan, const Step* step) {
       tandem_rms_norm_f32(st.h, H, st.residual, H, wp(kInputNorm), p.eps, st.normed, H,
                           st.residual, H, T, H, nt);
     }
-    linear(p, st.normed, wp(kQkvW), st.qkv, T, qkv_w, H);
+    linear(p, st.normed, wp(kQkvW), st.qkv, T, qkv_w, H, nt);
     if (const float* bias = wp(kQkvB))
       for (int t = 0; t < T; ++t)
         for (int i = 0; i < qkv_w; ++i) st.qkv[static_cast<int64_t>(t) * qkv_w + i] += bias[i];
@@ -133,12 +138,12 @@ int tandem_llama_forward_f32(const Plan* plan, const Step* step) {
                                p.num_blocks, st.qsl, st.seq_lens, st.num_seqs, T, p.num_heads,
                                p.num_kv_heads, D, p.block_size, p.scale,
                                static_cast<int>(f[kWindow]), st.attn, qs, D, nt);
-    linear(p, st.attn, wp(kOW), st.h, T, H, qs);
+    linear(p, st.attn, wp(kOW), st.h, T, H, qs, nt);
     tandem_rms_norm_f32(st.h, H, st.residual, H, wp(kPostNorm), p.eps, st.normed, H, st.residual,
                         H, T, H, nt);
-    linear(p, st.normed, wp(kGateUpW), st.gate_up, T, 2 * p.inter, H);
+    linear(p, st.normed, wp(kGateUpW), st.gate_up, T, 2 * p.inter, H, nt);
     tandem_silu_and_mul_f32(st.gate_up, 2 * p.inter, st.act, p.inter, T, p.inter, nt);
-    linear(p, st.act, wp(kDownW), st.h, T, H, p.inter);
+    linear(p, st.act, wp(kDownW), st.h, T, H, p.inter, nt);
   }
   tandem_rms_norm_f32(st.h, H, st.residual, H, p.final_norm, p.eps, st.out, H, st.residual, H, T,
                       H, nt);

@@ -3,7 +3,8 @@
 Built once per engine by :class:`tandem.engine.cpu_forward.CpuForward` (which hands it the model's
 weights) and run by it for every step that fits. It chains the kernels of ``cpu_kernels.cpp``
 (the ones :mod:`tandem.kernels.cpu_ops` wraps and tests/kernels holds to the references) with the
-sgemm of the BLAS torch itself links (MKL), so an eager step's hundreds of small Python-dispatched
+few-row linear kernel (steps of at most ``cpu_ops.LINEAR_MAX_ROWS`` rows) or the sgemm of the BLAS
+torch itself links (MKL), so an eager step's hundreds of small Python-dispatched
 ops become one C call: the CPU counterpart of the CUDA graphs of the GPU path, without their
 padding (the C code takes any number of tokens).
 
@@ -42,7 +43,7 @@ class _Plan(ctypes.Structure):
         *[(n, _I) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                             "inter", "rot_dim", "vocab", "block_size", "num_blocks")],
         ("eps", _F), ("scale", _F), ("embed", _P), ("final_norm", _P), ("cos_sin", _P),
-        ("max_pos", _I64), ("kv_cache", _P), ("layers", _P), ("sgemm", _P),
+        ("max_pos", _I64), ("kv_cache", _P), ("layers", _P), ("sgemm", _P), ("linear_rows", _I),
     ]  # fmt: skip
 
 
@@ -146,6 +147,7 @@ class FusedLlamaForward:
             num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, cos_sin.shape[1], vocab,
             block_size, num_blocks, eps, scale, embed.data_ptr(), final_norm.data_ptr(),
             cos_sin.data_ptr(), cos_sin.shape[0], kv_cache.data_ptr(), table.data_ptr(), sgemm,
+            cpu_ops.LINEAR_MAX_ROWS,
         )  # fmt: skip
         self.hidden, self.max_tokens = hidden, max_tokens
         self._widths = {"h": hidden, "residual": hidden, "normed": hidden, "qkv": q + 2 * kv,

@@ -254,7 +254,7 @@ void attend_tile(const AttnTile& t, const float* kc, const float* vc, int64_t kc
 
 extern "C" {
 
-int tandem_cpu_abi_version() { return 3; }
+int tandem_cpu_abi_version() { return 4; }
 
 // 0, or 1 + the first sequence whose attention metadata would read outside the cache or out of
 // order (see tandem_paged_attention_f32).

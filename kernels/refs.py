@@ -22,6 +22,7 @@ __all__ = [
     "attention_ref",
     "gather_seq_kv_ref",
     "kv_cache_write_ref",
+    "linear_ref",
     "paged_decode_attention_ref",
     "paged_extend_attention_ref",
     "rms_norm_ref",
@@ -142,6 +143,14 @@ def paged_extend_attention_ref(
         pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         out[lo:hi] = attention_ref(q[lo:hi], k, v, pos, scale, window).to(q.dtype)
     return out
+
+
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N], as ``nn.Linear`` computes it.
+    Reference of :func:`tandem.kernels.cpu_ops.cpu_linear`."""
+    return F.linear(x, weight, bias)
 
 
 def rms_norm_ref(

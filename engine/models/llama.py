@@ -163,6 +163,15 @@ class FusedOps:
             rotary_embedding_ref(positions, q, k, cache, compute_dtype=q.dtype)
         return q, k
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, K] @ weight^T: the few-row CPU kernel up to ``LINEAR_MAX_ROWS`` rows (it
+        streams the weights faster than the BLAS), ``F.linear`` otherwise."""
+        if self._native(x) and x.shape[0] <= self._cpu.LINEAR_MAX_ROWS and x.dim() == 2:
+            return self._cpu.cpu_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
             return self._k.silu_and_mul(x)
@@ -215,7 +224,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -229,7 +238,7 @@ class Attention(nn.Module):
         out = backend.forward(
             q, k, v, kv_layer[:, 0], kv_layer[:, 1], meta, self.scale, window=self.window
         )
-        return F.linear(out.reshape(t, self.q_size), self.o_proj.weight)
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -240,8 +249,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight)
-        return F.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -262,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        ops = FusedOps(use_kernels, cpu_kernels)
+        self.ops = ops = FusedOps(use_kernels, cpu_kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, ops, cfg.window(i)) for i in range(cfg.num_layers)
@@ -305,4 +314,4 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.lm_head.weight).float()

@@ -27,6 +27,7 @@ from paged_cases import (
 from tandem.kernels import cpu_build, cpu_ops
 from tandem.kernels.refs import (
     kv_cache_write_ref,
+    linear_ref,
     paged_decode_attention_ref,
     paged_extend_attention_ref,
     rms_norm_ref,
@@ -149,6 +150,39 @@ def test_pointwise_kernels_match_their_references(rows: int) -> None:
     torch.testing.assert_close(
         cpu_ops.cpu_silu_and_mul(gate_up), silu_and_mul_ref(gate_up), atol=1e-6, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, cpu_ops.LINEAR_MAX_ROWS, cpu_ops.LINEAR_MAX_ROWS + 1])
+def test_linear_matches_reference_on_edge_shapes(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    # Output counts around the kernel's 4-row tiles, inputs around its 8 lanes; the decode
+    # step's shapes (qkv 384 x 256, down 256 x 688) and a vocabulary that is not a multiple of 4.
+    for n, k in [(1, 1), (3, 7), (4, 8), (5, 13), (7, 9), (384, 256), (256, 688), (4099, 64)]:
+        wide = torch.randn((rows, k + 3), generator=gen)
+        x = wide[:, 1 : k + 1]  # a row stride that is not k
+        w, b = torch.randn((n, k), generator=gen), torch.randn(n, generator=gen)
+        for bias in (None, b):
+            got = cpu_ops.cpu_linear(x, w, bias)
+            assert got.shape == (rows, n) and got.dtype is torch.float32
+            # As close to the exact product as torch's own float32 product is.
+            exact = linear_ref(x.double(), w.double(), None if bias is None else bias.double())
+            blas_err = (linear_ref(x, w, bias).double() - exact).abs().max().item() if rows else 0
+            tol = 4 * blas_err + 1e-6 * k**0.5
+            torch.testing.assert_close(got.double(), exact, atol=tol, rtol=0)
+
+
+def test_linear_refuses_bad_arguments() -> None:
+    x, w = torch.randn((2, 8)), torch.randn((5, 8))
+    with pytest.raises(ValueError, match="x must be \\[T, K\\] and weight \\[N, K\\]"):
+        cpu_ops.cpu_linear(x, torch.randn((5, 7)))
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        cpu_ops.cpu_linear(x, torch.randn((10, 8))[::2])
+    with pytest.raises(ValueError, match="bias must have shape \\(5,\\)"):
+        cpu_ops.cpu_linear(x, w, torch.randn(4))
+    with pytest.raises(ValueError, match="cpu_linear: weight must have dtype"):
+        cpu_ops.cpu_linear(x, w.double())
+    with pytest.raises(ValueError, match="stride 1"):
+        cpu_ops.cpu_linear(torch.randn((8, 2)).t(), w)
 
 
 @pytest.mark.parametrize(("head_dim", "rot_dim"), [(64, 64), (80, 80), (128, 64)])
