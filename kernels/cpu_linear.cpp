@@ -1,10 +1,12 @@
 // The linear layer for a few token rows: C[T, N] = A[T, K] @ W[N, K]^T (+ bias), float32.
 //
-// Why not the BLAS: at the 1-16 rows of a decode step or a single stream, every weight is read
-// once per step and the product is bound by how fast the weights stream in. torch's sgemm (MKL)
-// reads them at 6-16 GB/s on this VM's two cores against 30 GB/s here (measured on the decode
-// step's shapes: 15 MB of weights, 1.6 ms against 0.5 ms per step at one row). Above ~16 rows
-// the BLAS's register blocking wins and callers keep it (cpu_ops.LINEAR_MAX_ROWS).
+// Why not the BLAS: at the 1-4 rows of a single stream or a small decode batch, every weight is
+// read once per step and the product is bound by how fast the weights stream in. MKL's sgemm
+// called at one row (as the fused forward did) reads them at 6-16 GB/s on this VM's two cores
+// against ~30 GB/s here: 15 MB of weights, 1.6 ms against 0.5 ms per step. Through F.linear
+// (which takes MKL's gemv at one row) this kernel is 1.07-1.16x faster at one row and 1.4-2.8x
+// at two or three; from ~6 rows MKL's register blocking wins, so callers switch to it above
+// cpu_ops.LINEAR_MAX_ROWS.
 //
 // Called by cpu_forward.cpp (the fused forward's projections) and by the checked wrapper
 // cpu_ops.cpu_linear (the eager CPU path's projections and the logits); tests/kernels holds it to

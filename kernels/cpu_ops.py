@@ -32,10 +32,11 @@ __all__ = [
     "cpu_silu_and_mul",
 ]
 
-# Up to this many rows, cpu_linear streams the weights faster than torch's BLAS (2-3x at 1-8 rows on
-# the decode step's shapes, even at 16, level at 32: measured on this project's 2-core VMs); the
-# fused forward and FusedOps use it up to here and the BLAS above.
-LINEAR_MAX_ROWS = 16
+# Up to this many rows, cpu_linear beats torch's BLAS on the decode step's shapes (measured on this
+# project's 2-core VMs through F.linear, weights warm: 1.07-1.16x at one row, 1.4-2.8x at 2-3,
+# level at 4, and 0.56-0.87x at 8, where MKL's register blocking wins); the fused forward and
+# FusedOps use it up to here and the BLAS above.
+LINEAR_MAX_ROWS = 4
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
