@@ -136,7 +136,13 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                     profile,
                     w,
                     dep,
-                    SimOptions(seed=0, shared_cores=shared, variability=not simulated),
+                    # The replay client runs on the same cores as the workers.
+                    SimOptions(
+                        seed=0,
+                        shared_cores=shared,
+                        variability=not simulated,
+                        client_shares_cores=True,
+                    ),
                 )
                 ok = [m for m in measured if m.error is None]
                 row = Row(

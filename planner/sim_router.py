@@ -28,6 +28,7 @@ from tandem.engine.request import Request
 from tandem.engine.role import Role
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sim.profile import ServingCost
+from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
 from tandem.planner.metrics import RequestTrace
 from tandem.planner.sim_worker import SimWorker, WorkerCallbacks, WorkerLoad
@@ -49,20 +50,30 @@ class RouterConfig:
 class RouterLoop:
     """One router process's event loop as a single FIFO server on the virtual clock."""
 
-    __slots__ = ("loop", "busy_until", "busy_seconds")
+    __slots__ = ("loop", "busy_until", "busy_seconds", "share")
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, share: CoreShare | None = None) -> None:
         self.loop = loop
         self.busy_until = 0.0
         self.busy_seconds = 0.0
+        self.share = share  # told of each burst of CPU, where the cores are shared
+
+    def _queue(self, cpu: float) -> None:
+        start = max(self.loop.now, self.busy_until)
+        if self.share is not None:
+            self.share.burst(start, start + cpu, 1, self)
+        self.busy_until = start + cpu
+        self.busy_seconds += cpu
 
     def serve(self, cpu: float, latency: float, then: Callable[[], None]) -> None:
         """Run ``then`` once ``cpu`` seconds of this loop's time (after the work queued before
         it) and the rest of ``latency`` have passed; in order for equal latencies."""
-        start = max(self.loop.now, self.busy_until)
-        self.busy_until = start + cpu
-        self.busy_seconds += cpu
+        self._queue(cpu)
         self.loop.at(self.busy_until + max(0.0, latency - cpu), then)
+
+    def spend(self, cpu: float) -> None:
+        """Queue ``cpu`` seconds of work that nothing waits on (the client's own CPU)."""
+        self._queue(cpu)
 
     @property
     def busy(self) -> bool:
@@ -82,9 +93,14 @@ class SimRouter:
         eos_token_ids: frozenset[int],
         on_done: Callable[[RequestTrace], None],
         seed: int | None = None,
+        share: CoreShare | None = None,
+        client_loop: bool = False,
     ) -> None:
         """``seed``: draw each request's serving latency from ``serving.request_spread``
-        (seeded); None: every request gets ``serving.request_seconds``."""
+        (seeded); None: every request gets ``serving.request_seconds``. ``share``: the cores
+        the loops share with the workers (their bursts are reported to it and it sees their
+        queues). ``client_loop``: the load generator runs on those cores too; ``client`` then
+        queues its CPU per request and per token (``serving.client_*_cpu``)."""
         self.loop = loop
         self.placer = placer
         self.config = config
@@ -103,16 +119,14 @@ class SimRouter:
         self.gaps: list[float] = []  # every gap the client sees
         self.decode_gaps: list[float] = []  # every gap after the router's first token
         self.placements: dict[str, int] = {}
-        self.loops = [RouterLoop(loop) for _ in range(config.routers)]
+        self.loops = [RouterLoop(loop, share) for _ in range(config.routers)]
+        self.client = RouterLoop(loop, share) if client_loop and share is not None else None
+        if share is not None:
+            share.loops = [*self.loops] + ([self.client] if self.client is not None else [])
         self._loop_of: dict[str, RouterLoop] = {}
         self._arrivals = 0
         self._spread = serving.request_spread if seed is not None else ()
         self._rng = random.Random(seed)
-
-    @property
-    def busy_loops(self) -> int:
-        """Router loops with work queued now (CPU the workers' steps compete with)."""
-        return sum(1 for r in self.loops if r.busy)
 
     @property
     def callbacks(self) -> WorkerCallbacks:
@@ -142,6 +156,8 @@ class SimRouter:
         self._arrivals += 1
         self._loop_of[rid] = router
         sv = self.serving
+        if self.client is not None:
+            self.client.spend(sv.client_request_cpu)
         latency = sv.request_seconds
         if self._spread:  # the first token's measured latency, less the token's own part
             latency = max(sv.router_request_cpu, self._rng.choice(self._spread) - sv.token_seconds)
@@ -250,6 +266,8 @@ class SimRouter:
                     self.decode_gaps.append(now - trace.last_token)
             trace.last_token = now
             trace.num_tokens += 1
+            if self.client is not None:
+                self.client.spend(self.serving.client_token_cpu)
             if final:
                 self._finish(rid)
 

@@ -26,6 +26,7 @@ from tandem.engine.role import Role
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sim.cost_model import StepCost
 from tandem.engine.sim.tokens import sample
+from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_kv import KVFabric
 from tandem.prefill.hooks import PrefillHooks
@@ -65,7 +66,7 @@ class SimWorker:
         token_ids: tuple[int, ...],
         fabric: KVFabric,
         callbacks: WorkerCallbacks,
-        slowdown: Callable[[SimWorker], float] = lambda _w: 1.0,
+        cores: CoreShare | None = None,
         step_overhead: float = 0.0,
         row_overhead: float = 0.0,
         request_overhead: float = 0.0,
@@ -80,7 +81,9 @@ class SimWorker:
         self.scheduler = Scheduler(config, self.kv)
         self._tokens = token_ids
         self._cb = callbacks
-        self._slowdown = slowdown
+        # A step's wall seconds from its seconds alone (shared cores, the machine's pace).
+        self._cores = cores or CoreShare(None, 1, lambda _t: 1.0)
+        self._extension = 0.0  # what work started beside the running step adds to it
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
@@ -101,6 +104,7 @@ class SimWorker:
             else:
                 self.hooks = DecodeHooks(conn, LoadFailurePolicy.RECOMPUTE)
         self.busy = False
+        self.busy_until = 0.0  # when the running step ends (valid while busy)
         self._wake_at: float | None = None
         # Observability of the run.
         self.steps = 0
@@ -160,17 +164,30 @@ class SimWorker:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
         serving = self._overhead + self._owed
         self._owed = 0.0
-        seconds = (self.cost.step_seconds(rows) + serving) * self._slowdown(self)
+        seconds = self._cores.step(self, self.cost.step_seconds(rows) + serving)
         self.busy = True
+        self.busy_until = self.loop.now + seconds
         self.steps += 1
         self.busy_seconds += seconds
         self.loop.after(seconds, lambda: self._finish(out))
 
+    def extend(self, seconds: float) -> None:
+        """The running step ends ``seconds`` later (work began beside it on shared cores)."""
+        self.busy_until += seconds
+        self._extension += seconds
+
     def _finish(self, out: SchedulerOutput) -> None:
+        if self._extension > 0.0:
+            late, self._extension = self._extension, 0.0
+            self.loop.after(late, lambda: self._finish(out))
+            return
         changed = self.scheduler.update(out, sample(out, self._tokens))
         self._track_usage()
         now = self.loop.now
-        self.shell_busy_until = max(now, self.shell_busy_until) + self._row_overhead * len(changed)
+        start = max(now, self.shell_busy_until)
+        end = start + self._row_overhead * len(changed)
+        self._cores.burst(start, end, 1, self)
+        self.shell_busy_until = end
         for req in changed:
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
                 final = EngineOutput(req.request_id, req.group_id, 0, [], True)

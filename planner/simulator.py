@@ -9,11 +9,10 @@ the requests in flight pass ``SimOptions.max_in_flight`` (the queues are growing
 the unfinished requests then count as infinite TTFT). Deterministic for a seed.
 
 ``SimOptions.shared_cores``: the workers share one machine's CPU cores (``tandem up`` on a CPU
-host, each worker's step using the profile's ``torch_threads``): a step that starts while the
-busy workers (and the router loops with work queued, one thread each) want more threads than
-there are cores takes longer by that ratio. Off (None) for
-a deployment where each worker has its own accelerator, and for simulated workers (their steps
-wait; they do not compute).
+host, each worker's step using the profile's ``torch_threads``) with the router's loops, their
+streaming threads and, with ``client_shares_cores``, the load generator: processor sharing on
+the virtual clock (``planner/cores.py``). Off (None) for a deployment where each worker has its
+own accelerator, and for simulated workers (their steps wait; they do not compute).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.role import Role
 from tandem.engine.sim.profile import Profile
+from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
 from tandem.planner.metrics import PoolStats, RequestTrace, SimResult, summarize_latencies
 from tandem.planner.sim_kv import KVFabric
@@ -72,6 +72,9 @@ class SimOptions:
     seed: int = 0
     max_in_flight: int | None = None  # None: 2 x the deployment's total max_num_seqs, >= 256
     shared_cores: int | None = None
+    # The load generator runs on those cores too (a benchmark on one machine, not production
+    # traffic): its CPU per request and token (``ServingCost.client_*_cpu``) competes with them.
+    client_shares_cores: bool = False
     # Draw the profile's measured variability (ServingCost.request_spread, pace_spread): off
     # for simulated workers, whose steps are waits the machine's pace does not change.
     variability: bool = True
@@ -107,21 +110,6 @@ class MachinePace:
         return self._factors[window]
 
 
-def _slowdown(cores: int | None, threads: int, workers: list[SimWorker], router: SimRouter,
-              pace: MachinePace):  # noqa: ANN202 # fmt: skip
-    def factor(w: SimWorker) -> float:
-        if cores is None:
-            return pace.at(w.loop.now)
-        # The starting worker's threads, the busy ones', each worker thread still streaming
-        # tokens and each router loop with work queued (one thread each) against the cores.
-        demand = threads + router.busy_loops
-        for x in workers:
-            demand += threads * x.busy + x.shell_busy
-        return max(1.0, demand / cores) * pace.at(w.loop.now)
-
-    return factor
-
-
 def run_simulation(
     profile: Profile, workload: Workload, dep: Deployment, options: SimOptions = SimOptions()
 ) -> Simulation:
@@ -137,21 +125,23 @@ def run_simulation(
     profile.transfer.seconds(dep.kv_transport, 0)  # ValueError now for an unprofiled transport
     fabric = KVFabric(loop, lambda n: profile.transfer.seconds(dep.kv_transport, n), e.block_bytes)
     done: list[RequestTrace] = []
+    threads = profile.threads
+    sv = profile.serving
+    pace = MachinePace(sv.pace_spread if options.variability else (), sv.pace_seconds,
+                       options.seed)  # fmt: skip
+    share = CoreShare(options.shared_cores, threads, pace.at)
     router = SimRouter(
         loop, Placer(Policy.parse(dep.policy)),
         RouterConfig(dep.local_prefill_threshold, dep.prefill_overload_queue,
                      routers=dep.routers),
         profile.serving, e.block_size, frozenset(profile.model.eos_token_ids), done.append,
         seed=options.seed if options.variability else None,
+        share=share, client_loop=options.client_shares_cores,
     )  # fmt: skip
     roles = [Role.PREFILL] * dep.prefill
     roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
     workers: list[SimWorker] = []
-    threads = profile.threads
-    sv = profile.serving
-    pace = MachinePace(sv.pace_spread if options.variability else (), sv.pace_seconds,
-                       options.seed)  # fmt: skip
-    slowdown = _slowdown(options.shared_cores, threads, workers, router, pace)
+    share.workers = workers
     num_blocks = dep.num_blocks or e.num_blocks
     counts: dict[Role, int] = {}
     for i, role in enumerate(roles):
@@ -159,7 +149,7 @@ def run_simulation(
         counts[role] = n + 1
         w = SimWorker(
             loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
-            profile.model.sim_token_ids, fabric, router.callbacks, slowdown,
+            profile.model.sim_token_ids, fabric, router.callbacks, share,
             sv.step_seconds, sv.row_seconds, sv.request_cpu(role),
         )  # fmt: skip
         if options.record_history:

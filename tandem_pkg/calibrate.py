@@ -12,7 +12,9 @@ the steps themselves. Measured, with the profile's step model subtracted:
   beyond its decode step, streaming the token (``row_seconds``), and its per-request work
   beyond the prefill step (``worker_request_cpu``); over as many 1P1D requests, each side's per
   request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
-  and its half of the KV transfer);
+  and its half of the KV transfer); and this process's own CPU, the client's, per request and
+  per token (``client_request_cpu``, ``client_token_cpu``), for runs whose load generator shares
+  the machine;
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
   token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
   thread, so its rows are off the step's path); the first token minus the predicted prefill
@@ -35,6 +37,7 @@ import os
 import random
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +55,7 @@ from tandem.up_config import ROUTER
 ISL, OSL = 32, 32
 CPU_REQUESTS = 100  # per phase: CPU time to split per request and per token; stable quantiles
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
+CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
 
 
 def _stream(
@@ -161,11 +165,16 @@ def children_cpu(pid: int) -> dict[str, float]:
 
 
 def _cpu_per_request(up: LocalUp, run: Callable[[], int]) -> dict[str, float]:
-    """Each child's CPU seconds per request over ``run`` (which returns how many it sent)."""
+    """Each child's CPU seconds per request over ``run`` (which returns how many it sent), and
+    this process's own (the client's) under ``CLIENT``."""
     before = children_cpu(up.proc.pid)
+    own = time.process_time()
     n = run()
+    own = time.process_time() - own
     after = children_cpu(up.proc.pid)
-    return {k: (v - before.get(k, 0.0)) / n for k, v in after.items()} if n else {}
+    if not n:
+        return {}
+    return {k: (v - before.get(k, 0.0)) / n for k, v in after.items()} | {CLIENT: own / n}
 
 
 def _up(model: str, prefill: int, transport: str, options: Sequence[str], threads: int,
@@ -239,7 +248,8 @@ def calibrate_serving(
     # Per request, the mean gap after the first token (guidellm's ITL, the planner's target):
     # streamed tokens arrive in bursts (several in one read, then a longer gap), so a quantile
     # of single gaps says nothing about the pace.
-    itl = sorted((t[-1] - t[0]) / (OSL - 1) for t in alone)
+    itl_in_order = [(t[-1] - t[0]) / (OSL - 1) for t in alone]
+    itl = sorted(itl_in_order)
     itl_median = itl[len(itl) // 2]
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
     prefill = step.step_seconds([(ISL, 0)])
@@ -249,6 +259,9 @@ def calibrate_serving(
     r_short, r_long = cpu_short.get(ROUTER, 0.0), cpu_long.get(ROUTER, 0.0)
     router_token = max(0.0, (r_long - r_short) / (OSL - 1))
     router_request = max(0.0, r_short - router_token)
+    c_short, c_long = cpu_short.get(CLIENT, 0.0), cpu_long.get(CLIENT, 0.0)
+    client_token = max(0.0, (c_long - c_short) / (OSL - 1))
+    client_request = max(0.0, c_short - client_token)
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
     row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
     worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
@@ -261,7 +274,8 @@ def calibrate_serving(
     # the step and the step's own overhead.
     step_overhead = max(0.0, itl_median - decode1)
     # The first token's serving latency per request: its median, and its spread.
-    served = sorted(max(0.0, t[0] - prefill - step_overhead) for t in alone)
+    served_in_order = [max(0.0, t[0] - prefill - step_overhead) for t in alone]
+    served = sorted(served_in_order)
     router = served[len(served) // 2]
     # The first token's latency holds both processes' per-request CPU: the rest is the token's.
     request_part = min(router, max(router * 0.75, router_request + worker_request))
@@ -282,8 +296,10 @@ def calibrate_serving(
         worker_request_cpu=round(worker_request, 6),
         prefill_request_cpu=round(prefill_request, 6),
         decode_request_cpu=round(decode_request, 6),
-        request_spread=quantiles(served),
-        pace_spread=quantiles([v / itl_median for v in itl]) if itl_median else (),
+        client_request_cpu=round(client_request, 6),
+        client_token_cpu=round(client_token, 7),
+        request_spread=steady_quantiles(served_in_order),
+        pace_spread=steady_quantiles([v / itl_median for v in itl_in_order]) if itl_median else (),
         pace_seconds=round(sorted(t[-1] - t[0] for t in alone)[len(alone) // 2], 6),
     )
 
@@ -292,3 +308,23 @@ def quantiles(values: Sequence[float], n: int = 10) -> tuple[float, ...]:
     """``n`` evenly spaced quantiles (the 5th, 15th, ... percentiles for 10) of ``values``."""
     v = sorted(values)
     return tuple(round(v[min(len(v) - 1, int((i + 0.5) / n * len(v)))], 6) for i in range(n))
+
+
+SEGMENTS = 4  # consecutive parts of a phase whose quantiles steady_quantiles takes the median of
+
+
+def steady_quantiles(
+    in_order: Sequence[float], n: int = 10, segments: int = SEGMENTS
+) -> tuple[float, ...]:
+    """``quantiles`` of ``in_order`` (values in the order they were measured), robust to one
+    noisy stretch of the phase: the median, quantile by quantile, of the quantiles of
+    ``segments`` consecutive parts. Another tenant's burst on a shared machine lasts seconds
+    and lands in one part; pooled, it alone set the tail (one profile's first-token p95 came
+    out 25 ms against 11 ms for the next). Fewer than 2 values per part: plain quantiles."""
+    if len(in_order) < 2 * segments:
+        return quantiles(in_order, n)
+    size = len(in_order) / segments
+    parts = [
+        quantiles(in_order[round(i * size) : round((i + 1) * size)], n) for i in range(segments)
+    ]
+    return tuple(round(statistics.median(q[i] for q in parts), 6) for i in range(n))

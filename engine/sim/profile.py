@@ -96,7 +96,11 @@ class ServingCost:
     above; ``worker_request_cpu`` is what a worker's HTTP side spends on each request it is
     sent, time its engine thread loses (they share the GIL), ``prefill_request_cpu`` and
     ``decode_request_cpu`` the same in P/D with each side's part of the KV transfer (0: the
-    colocated figure). 0: not measured (not modelled).
+    colocated figure). ``client_request_cpu`` and ``client_token_cpu`` are the load generator's
+    own CPU per request and per streamed token (the calibrating client, an httpx streaming
+    client like the validation's): the simulator counts them against the shared cores only when
+    told the load runs on the same machine (``SimOptions.client_shares_cores``). 0: not
+    measured (not modelled).
     """
 
     request_seconds: float = 0.002
@@ -109,6 +113,8 @@ class ServingCost:
     worker_request_cpu: float = 0.0
     prefill_request_cpu: float = 0.0  # the same on a prefill worker, with its side of a transfer
     decode_request_cpu: float = 0.0  # on a decode worker, with its pull
+    client_request_cpu: float = 0.0
+    client_token_cpu: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -191,6 +197,8 @@ class Profile:
                 "worker_request_cpu": s.worker_request_cpu,
                 "prefill_request_cpu": s.prefill_request_cpu,
                 "decode_request_cpu": s.decode_request_cpu,
+                "client_request_cpu": s.client_request_cpu,
+                "client_token_cpu": s.client_token_cpu,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -353,6 +361,8 @@ def profile_from_dict(data: Any) -> Profile:
                 "worker_request_cpu",
                 "prefill_request_cpu",
                 "decode_request_cpu",
+                "client_request_cpu",
+                "client_token_cpu",
                 "pace_seconds",
             )  # fmt: skip
         },

@@ -66,6 +66,8 @@ def default_grid(
     """A grid that spans the serving range but stays small (a few minutes for the demo model)."""
     top = min(budget, max_model_len - 2, 2048)
     qs = _powers(16, top)
+    if top > qs[-1]:  # the longest prompt too: a linear fit extrapolates poorly past its grid
+        qs.append(top)
     ctx_fracs = (0, 4) if quick else (0, 4, 2)
     prefill = []
     for q in qs:

@@ -108,3 +108,17 @@ def test_simulated_tokens_depend_on_the_sequence_only() -> None:
     # Pinned: workers of different versions and the simulator must agree on the rule.
     assert [next_token(seq[:n], DEMO_TOKENS) for n in range(1, 6)] == [79, 98, 86, 73, 90]
     assert len({next_token([i, i + 1], DEMO_TOKENS) for i in range(200)}) > 20
+
+
+def test_the_default_grid_reaches_the_longest_prompt_and_fits_the_cache() -> None:
+    from tandem.engine.sim.profiler import default_grid
+
+    g = default_grid(max_model_len=256, budget=2048, max_num_seqs=256, num_blocks=16384,
+                     block_size=16)  # fmt: skip
+    # Powers of two from 16, then the longest prompt the model takes (a fit extrapolates
+    # poorly past its grid), each with the cached contexts that still fit.
+    assert [q for q, _ in g.prefill] == [16] * 3 + [32] * 3 + [64] * 3 + [128] * 2 + [254]
+    assert all(q + ctx <= 254 for q, ctx in g.prefill)
+    assert max(b for b, _ in g.decode) == 128
+    # A budget below the context caps the prefill chunk instead.
+    assert max(q for q, _ in default_grid(4096, 512, 64, 16384, 16).prefill) == 512

@@ -9,9 +9,16 @@ import pytest
 from sim_profiles import synthetic_profile
 
 from tandem.engine.sim.profile import ServingCost
+from tandem.planner.cores import shared_seconds
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_router import RouterLoop
-from tandem.planner.simulator import Deployment, MachinePace, SimOptions, run_simulation, simulate
+from tandem.planner.simulator import (
+    Deployment,
+    MachinePace,
+    SimOptions,
+    run_simulation,
+    simulate,
+)
 from tandem.planner.workload import Arrival, Lengths, Workload
 
 # 10 ms per step + 0.1 ms per token.
@@ -137,3 +144,45 @@ def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
     assert itl(rows, None) == pytest.approx(base)
     assert itl(rows, 2) == pytest.approx(base)
     assert itl(rows, 1) == pytest.approx(2 * base, rel=0.05)
+
+
+def test_shared_cores_are_processor_shared_over_the_overlap_only() -> None:
+    ms = 1e-3
+    # Nothing beside it, or no more threads than cores: the step's own time.
+    assert shared_seconds(7 * ms, 1, 2, []) == pytest.approx(7 * ms)
+    assert shared_seconds(7 * ms, 1, 2, [(0.3 * ms, 1)]) == pytest.approx(7 * ms)
+    # Three threads on two cores for 0.3 ms (each at 2/3): the step loses 0.1 ms, not a third
+    # of its 7 ms as a ratio taken at its start would have it.
+    assert shared_seconds(7 * ms, 1, 2, [(0.3 * ms, 1), (0.3 * ms, 1)]) == pytest.approx(7.1 * ms)
+    # One core: half speed while the other thread runs (4 ms: 2 ms done), then full speed.
+    assert shared_seconds(10 * ms, 1, 1, [(4 * ms, 1)]) == pytest.approx(12 * ms)
+    # The other outlasts the step: half speed throughout.
+    assert shared_seconds(10 * ms, 1, 1, [(80 * ms, 1)]) == pytest.approx(20 * ms)
+    # Two engine threads on two cores beside a worker of two threads ending at 1 ms: half
+    # speed for 1 ms (0.5 ms done), then the remaining 4.5 ms alone.
+    assert shared_seconds(5 * ms, 2, 2, [(1 * ms, 2)]) == pytest.approx(5.5 * ms)
+    # More threads than cores and nothing else: stretched by threads / cores.
+    assert shared_seconds(5 * ms, 4, 2, []) == pytest.approx(10 * ms)
+
+
+def test_the_clients_cpu_competes_only_when_it_shares_the_cores() -> None:
+    loop = EventLoop()
+    client = RouterLoop(loop)
+    client.spend(0.002)
+    client.spend(0.001)
+    assert client.busy_until == pytest.approx(0.003) and client.busy_seconds == pytest.approx(0.003)
+    loop.run()  # spend() schedules nothing
+    # One colocated worker on one core; the client spends 20 ms per token it receives, so it
+    # is busy beside every later step: with the client on the cores the ITL roughly doubles,
+    # elsewhere (or with no shared cores) it is untouched.
+    w = Workload(rate=1, isl=Lengths(16), osl=Lengths(6), num_requests=1)
+    heavy = replace(PROFILE, serving=replace(BASE, client_token_cpu=0.02))
+
+    def itl(profile, cores: int | None, client: bool) -> float:  # noqa: ANN001 - a Profile
+        options = SimOptions(shared_cores=cores, variability=False, client_shares_cores=client)
+        return simulate(profile, w, Deployment(0, 1), options).itl.p50
+
+    base = itl(PROFILE, 1, False)
+    assert itl(heavy, 1, False) == pytest.approx(base)
+    assert itl(heavy, None, True) == pytest.approx(base)
+    assert itl(heavy, 1, True) > 1.8 * base
