@@ -174,6 +174,7 @@ class SimWorker:
     def extend(self, seconds: float) -> None:
         """The running step ends ``seconds`` later (work began beside it on shared cores)."""
         self.busy_until += seconds
+        self.busy_seconds += seconds
         self._extension += seconds
 
     def _finish(self, out: SchedulerOutput) -> None:
