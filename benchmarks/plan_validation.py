@@ -3,11 +3,13 @@
 For each model: `tandem profile` (or ``--profile``), then for 3 workloads x 2 loads x
 {colocated, 1P1D}: run the real deployment (`tandem up`, KV over TCP) under a replay of the
 workload (``replay_load.py``: the simulator's own requests, at their arrival times), simulate the
-same requests with `tandem.planner` (the workers sharing this machine's cores), and compare TTFT
-p90 and ITL p90 (client view, guidellm's definitions). Writes ``results.json``, a Markdown table
-and the predicted-vs-measured plot to ``--out``.
+same requests with `tandem.planner` (the workers sharing this machine's cores, the client
+included), and compare TTFT p90 and ITL p90 (client view, guidellm's definitions). Each case runs
+``--repeats`` times, the rounds interleaved, and is judged against the median of its rounds.
+Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to ``--out``.
 
-    python benchmarks/plan_validation.py                       # demo + random-512, ~45 min
+    python benchmarks/plan_validation.py --models demo --duration 20   # ~20 min (3 rounds)
+    python benchmarks/plan_validation.py                       # demo + random-512, ~2 h
     python benchmarks/plan_validation.py --models demo --quick # a smoke run, ~5 min
     python benchmarks/plan_validation.py --simulated-workers   # the simulator against
         # `tandem up --simulate` on the same profile: the router, HTTP and scheduling model alone
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,11 +53,9 @@ class Row:
     measured_itl_p90: float
     predicted_itl_p90: float
     failed: int
-    # The machine's pace just before the run (lone requests' e2e over the profile's), and the
-    # prediction from the profile at that pace.
-    pace: float = 1.0
-    paced_ttft_p90: float = 0.0
-    paced_itl_p90: float = 0.0
+    # Each round's measured p90s (the measured figures above are their medians).
+    ttft_rounds: tuple[float, ...] = ()
+    itl_rounds: tuple[float, ...] = ()
 
     @property
     def ttft_error(self) -> float:
@@ -65,12 +66,13 @@ class Row:
         return self.predicted_itl_p90 / self.measured_itl_p90 - 1
 
     @property
-    def paced_ttft_error(self) -> float:
-        return self.paced_ttft_p90 / self.measured_ttft_p90 - 1
-
-    @property
-    def paced_itl_error(self) -> float:
-        return self.paced_itl_p90 / self.measured_itl_p90 - 1
+    def rounds_within(self) -> int:
+        """Rounds whose own measured p90s are both within 25 % of the prediction."""
+        t, i = self.predicted_ttft_p90, self.predicted_itl_p90
+        return sum(
+            abs(t / mt - 1) <= 0.25 and abs(i / mi - 1) <= 0.25
+            for mt, mi in zip(self.ttft_rounds, self.itl_rounds, strict=True)
+        )
 
 
 def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
@@ -97,32 +99,6 @@ def rates(profile: Profile, isl: int, osl: int) -> dict[str, float]:
     return {"light": round(0.3 / alone, 3), "moderate": round(0.6 / alone, 3)}
 
 
-PROBES = 8  # lone requests of the workload's shape before each run: the machine's pace now
-
-
-def lone_e2e(profile: Profile, isl: int, osl: int, dep: Deployment,
-             options: SimOptions = SimOptions()) -> float:  # fmt: skip
-    """The simulator's end-to-end latency of one request alone on ``dep`` (no variability)."""
-    lone = Workload(rate=1.0, isl=Lengths(isl), osl=Lengths(osl), num_requests=1)
-    return simulate(profile, lone, dep, replace(options, variability=False)).e2e.p50
-
-
-def measure_pace(url: str, model: str, profile: Profile, isl: int, osl: int, dep: Deployment,
-                 options: SimOptions) -> float:  # fmt: skip
-    """The machine's pace now against the profile's: the median end-to-end latency of
-    ``PROBES`` lone requests (one after another) over the simulator's for one. On a shared
-    machine the speed drifts by tens of percent between minutes (another tenant's load), which
-    a profile taken minutes earlier cannot know; the probes are not the run's load, so nothing
-    of the measured run goes into its prediction."""
-    probes = generate(Workload(rate=1.0, isl=Lengths(isl), osl=Lengths(osl), num_requests=PROBES),
-                      profile.model.sim_token_ids, 7, profile.model.max_model_len)  # fmt: skip
-    e2e = sorted(m.e2e for p in probes for m in replay(url, model, [replace(p, arrival=0.0)])
-                 if m.e2e is not None)  # fmt: skip
-    if not e2e:
-        return 1.0
-    return e2e[len(e2e) // 2] / lone_e2e(profile, isl, osl, dep, options)
-
-
 def profile_model(model: str, out: Path, quick: bool, threads: int) -> Path:
     path = out / f"profile-{Path(model).name}.json"
     cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
@@ -137,13 +113,17 @@ def _p90(values: list[float]) -> float:
 
 
 def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
-              cores: int | None, simulated: bool) -> list[Row]:  # fmt: skip
+              cores: int | None, simulated: bool, repeats: int = 1) -> list[Row]:  # fmt: skip
+    """Every case's real run ``repeats`` times, the rounds interleaved (all cases, then all
+    again): this machine's speed drifts by tens of percent over minutes, so a case measured in
+    one stretch would carry that stretch's pace. Each case's measured p90 is the median of its
+    rounds; the prediction is made once (the simulator is deterministic for its seed)."""
     profile = load_profile(profile_path)
     threads = profile.threads
-    rows = []
     shapes = workloads(profile.model.max_model_len)
     if quick:
         shapes = dict(list(shapes.items())[:1])
+    cases = []
     for wname, (isl, osl) in shapes.items():
         loads = rates(profile, isl, osl)
         if quick:
@@ -152,72 +132,82 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
             n = max(20, round(rate * duration))
             w = Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=n,
                          arrival=Arrival.POISSON)  # fmt: skip
-            reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
             for dname, (p, d) in DEPLOYMENTS.items():
-                warm = generate(
-                    Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=4),
-                    profile.model.sim_token_ids, 99, profile.model.max_model_len,
-                )  # fmt: skip
-                logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}"
-                logs.mkdir(parents=True, exist_ok=True)
-                # Every deployment's workers run the threads the profile's steps were timed with.
-                args = ["--model", model, "--prefill", str(p), "--decode", str(d),
-                        "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
-                if simulated:
-                    args += ["--simulate", str(profile_path)]
-                dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
-                # Simulated workers wait their steps: they share no cores in the simulator.
-                shared = None if simulated else cores
-                # The replay client runs on the same cores as the workers.
-                options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
-                                     client_shares_cores=True)  # fmt: skip
-                with LocalUp(args, p + d, logs) as up:
-                    replay(up.url, model, warm)  # tandem up serves --model under that name
-                    pace = measure_pace(up.url, model, profile, isl, osl, dep, options)
-                    measured: list[Measured] = replay(up.url, model, reqs)
-                sim = simulate(profile, w, dep, options)
-                paced = simulate(profile.at_pace(pace), w, dep, options)
-                ok = [m for m in measured if m.error is None]
-                row = Row(
-                    model=Path(model).name, workload=wname, load=lname, rate=rate,
-                    deployment=dname, requests=len(reqs),
-                    measured_ttft_p90=_p90([m.ttft for m in ok if m.ttft is not None]),
-                    predicted_ttft_p90=sim.ttft.p90,
-                    measured_itl_p90=_p90([m.itl for m in ok if m.itl is not None]),
-                    predicted_itl_p90=sim.itl.p90,
-                    failed=len(measured) - len(ok),
-                    pace=round(pace, 3), paced_ttft_p90=paced.ttft.p90,
-                    paced_itl_p90=paced.itl.p90,
-                )  # fmt: skip
-                rows.append(row)
-                print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
-                      f"TTFT p90 {row.measured_ttft_p90:.3f} s vs {row.predicted_ttft_p90:.3f} "
-                      f"({row.ttft_error:+.0%}), ITL p90 {row.measured_itl_p90:.4f} s vs "
-                      f"{row.predicted_itl_p90:.4f} ({row.itl_error:+.0%}); pace {row.pace:.2f}: "
-                      f"{row.paced_ttft_error:+.0%}, {row.paced_itl_error:+.0%}",
-                      flush=True)  # fmt: skip
+                cases.append((wname, lname, rate, dname, p, d, w))
+    measured: dict[int, list[tuple[float, float, int]]] = {i: [] for i in range(len(cases))}
+    for rnd in range(repeats):
+        for i, (wname, lname, rate, dname, p, d, w) in enumerate(cases):
+            reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
+            warm = generate(replace(w, num_requests=4), profile.model.sim_token_ids, 99,
+                            profile.model.max_model_len)  # fmt: skip
+            logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}-{rnd}"
+            logs.mkdir(parents=True, exist_ok=True)
+            # Every deployment's workers run the threads the profile's steps were timed with.
+            args = ["--model", model, "--prefill", str(p), "--decode", str(d),
+                    "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
+            if simulated:
+                args += ["--simulate", str(profile_path)]
+            with LocalUp(args, p + d, logs) as up:
+                replay(up.url, model, warm)  # tandem up serves --model under that name
+                got: list[Measured] = replay(up.url, model, reqs)
+            ok = [m for m in got if m.error is None]
+            ttft = _p90([m.ttft for m in ok if m.ttft is not None])
+            itl = _p90([m.itl for m in ok if m.itl is not None])
+            measured[i].append((ttft, itl, len(got) - len(ok)))
+            print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
+                  f"TTFT p90 {ttft:.3f} s, ITL p90 {itl * 1e3:.2f} ms", flush=True)  # fmt: skip
+    rows = []
+    for i, (wname, lname, rate, dname, p, d, w) in enumerate(cases):
+        dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
+        # Simulated workers wait their steps: they share no cores in the simulator. The replay
+        # client runs on the same cores as the workers.
+        shared = None if simulated else cores
+        options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
+                             client_shares_cores=True)  # fmt: skip
+        sim = simulate(profile, w, dep, options)
+        ttfts = tuple(m[0] for m in measured[i])
+        itls = tuple(m[1] for m in measured[i])
+        row = Row(
+            model=Path(model).name, workload=wname, load=lname, rate=rate, deployment=dname,
+            requests=w.num_requests, measured_ttft_p90=statistics.median(ttfts),
+            predicted_ttft_p90=sim.ttft.p90, measured_itl_p90=statistics.median(itls),
+            predicted_itl_p90=sim.itl.p90, failed=sum(m[2] for m in measured[i]),
+            ttft_rounds=ttfts, itl_rounds=itls,
+        )  # fmt: skip
+        rows.append(row)
+        print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
+              f"TTFT p90 {row.measured_ttft_p90:.3f} s vs {row.predicted_ttft_p90:.3f} "
+              f"({row.ttft_error:+.0%}), ITL p90 {row.measured_itl_p90:.4f} s vs "
+              f"{row.predicted_itl_p90:.4f} ({row.itl_error:+.0%})", flush=True)  # fmt: skip
     return rows
+
+
+def _span(values: tuple[float, ...], scale: float, unit: str, digits: int) -> str:
+    if len(values) < 2:
+        return ""
+    return f" ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f} {unit})"
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured / predicted"
-        " (error) | ITL p90 measured / predicted (error) | pace | at that pace: TTFT, ITL error |",
-        "| --- | --- | --- | ---: | --- | --- | --- | ---: | --- |",
+        "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured (rounds) /"
+        " predicted (error) | ITL p90 measured (rounds) / predicted (error) |",
+        "| --- | --- | --- | ---: | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
-            f"{r.measured_ttft_p90:.3f} s / {r.predicted_ttft_p90:.3f} s ({r.ttft_error:+.0%}) | "
-            f"{r.measured_itl_p90 * 1e3:.1f} ms / {r.predicted_itl_p90 * 1e3:.1f} ms "
-            f"({r.itl_error:+.0%}) | {r.pace:.2f} | {r.paced_ttft_error:+.0%}, "
-            f"{r.paced_itl_error:+.0%} |"
+            f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
+            f"{r.predicted_ttft_p90:.3f} s ({r.ttft_error:+.0%}) | "
+            f"{r.measured_itl_p90 * 1e3:.2f} ms{_span(r.itl_rounds, 1e3, 'ms', 2)} / "
+            f"{r.predicted_itl_p90 * 1e3:.2f} ms ({r.itl_error:+.0%}) |"
         )
     within = sum(abs(r.ttft_error) <= 0.25 and abs(r.itl_error) <= 0.25 for r in rows)
-    paced = sum(abs(r.paced_ttft_error) <= 0.25 and abs(r.paced_itl_error) <= 0.25 for r in rows)
+    single = sum(r.rounds_within for r in rows)
+    runs = sum(len(r.ttft_rounds) for r in rows)
     lines.append(
-        f"\n{within} of {len(rows)} runs have both errors within 25 % ({paced} of {len(rows)} "
-        "with the profile at the pace measured before each run)."
+        f"\n{within} of {len(rows)} cases have both errors within 25 % against the median of "
+        f"their rounds; {single} of {runs} single runs do."
     )
     return "\n".join(lines)
 
@@ -262,6 +252,9 @@ def main() -> None:
         help="reuse a profile instead of profiling (repeatable)",
     )
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="real runs per case, interleaved; each case's measured p90 is their "
+                    "median")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="one workload, one load, quick profile")
     ap.add_argument(
         "--cores",
@@ -299,7 +292,7 @@ def main() -> None:
         else:
             profile = profile_model(model, out, args.quick, threads)
         rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
-                          args.simulated_workers)  # fmt: skip
+                          args.simulated_workers, args.repeats)  # fmt: skip
         # After each model, so a later model's failure keeps the earlier figures.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")

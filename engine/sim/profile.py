@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -149,29 +149,6 @@ class Profile:
         the profile does not say): the workers it predicts run as many."""
         t = self.hardware.get("torch_threads", 1)
         return t if type(t) is int and t > 0 else 1
-
-    def at_pace(self, factor: float) -> Profile:
-        """This profile on a machine ``factor`` times slower (0.8: faster): every time it holds
-        (step and transfer models, serving latencies and CPU, the first-token spread) scaled,
-        the ratios (the pace spread) kept. For a shared machine whose speed drifts between the
-        profile and a run: the validation measures the factor on a few lone requests just
-        before each run (``benchmarks/plan_validation.py``)."""
-        if not factor > 0.0 or factor == float("inf"):
-            raise ValueError(f"a pace factor must be finite and > 0, got {factor!r}")
-
-        def model(m: LinearModel) -> LinearModel:
-            return LinearModel(m.features, tuple(c * factor for c in m.coefficients))
-
-        sv = self.serving
-        timed = {f.name: getattr(sv, f.name) * factor for f in fields(sv)
-                 if type(getattr(sv, f.name)) is float}  # fmt: skip
-        serving = replace(sv, **timed, request_spread=tuple(v * factor for v in sv.request_spread))
-        return replace(
-            self,
-            step=StepCost(model(self.step.execute), model(self.step.host)),
-            transfer=TransferCost({k: model(m) for k, m in self.transfer.models.items()}),
-            serving=serving,
-        )
 
     def to_dict(self) -> dict[str, Any]:
         m, e, s = self.model, self.engine, self.serving

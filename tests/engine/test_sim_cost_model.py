@@ -122,33 +122,3 @@ def test_the_default_grid_reaches_the_longest_prompt_and_fits_the_cache() -> Non
     assert max(b for b, _ in g.decode) == 128
     # A budget below the context caps the prefill chunk instead.
     assert max(q for q, _ in default_grid(4096, 512, 64, 16384, 16).prefill) == 512
-
-
-def test_a_profile_at_another_pace_scales_every_time_and_keeps_the_ratios() -> None:
-    from tandem.engine.sim.profile import ServingCost
-
-    serving = ServingCost(request_seconds=0.004, token_seconds=0.001, step_seconds=0.0003,
-                          router_token_cpu=0.0002, client_token_cpu=0.0001,
-                          request_spread=(0.003, 0.009), pace_spread=(0.8, 1.25),
-                          pace_seconds=0.02)  # fmt: skip
-    prof = synthetic_profile(host=(1e-4, 0, 0, 0, 0), serving=serving)
-    slow = prof.at_pace(1.5)
-    rows = [(64, 0), (1, 100), (1, 30)]
-    assert slow.step.step_seconds(rows) == pytest.approx(1.5 * prof.step.step_seconds(rows))
-    assert slow.step.execute_seconds(rows) == pytest.approx(1.5 * prof.step.execute_seconds(rows))
-    assert slow.transfer.seconds("tcp", 1 << 20) == pytest.approx(
-        1.5 * prof.transfer.seconds("tcp", 1 << 20)
-    )
-    s = slow.serving
-    assert (s.request_seconds, s.token_seconds, s.step_seconds) == pytest.approx(
-        (0.006, 0.0015, 0.00045)
-    )
-    assert (s.router_token_cpu, s.client_token_cpu, s.pace_seconds) == pytest.approx(
-        (0.0003, 0.00015, 0.03)
-    )
-    assert s.request_spread == pytest.approx((0.0045, 0.0135))
-    assert s.pace_spread == (0.8, 1.25)  # ratios: unchanged
-    assert slow.model == prof.model and slow.engine == prof.engine
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="pace factor"):
-            prof.at_pace(bad)
