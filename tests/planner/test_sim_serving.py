@@ -186,3 +186,35 @@ def test_the_clients_cpu_competes_only_when_it_shares_the_cores() -> None:
     assert itl(heavy, 1, False) == pytest.approx(base)
     assert itl(heavy, None, True) == pytest.approx(base)
     assert itl(heavy, 1, True) > 1.8 * base
+
+
+class _Step:
+    """What CoreShare reads of a worker: its step's end and its streaming thread's."""
+
+    def __init__(self, busy_until: float) -> None:
+        self.busy, self.busy_until, self.shell_busy_until = True, busy_until, 0.0
+
+    def extend(self, seconds: float) -> None:
+        self.busy_until += seconds
+
+
+def test_a_burst_beside_a_running_step_lengthens_it_by_its_share() -> None:
+    from tandem.planner.cores import CoreShare
+
+    ms = 1e-3
+
+    def after_burst(cores: int | None, start: float, end: float) -> float:
+        share = CoreShare(cores, 1, lambda _t: 1.0)
+        step = _Step(10 * ms)  # began alone at 0, ends at 10 ms
+        share.workers = [step]  # type: ignore[list-item]
+        share.burst(start, end, 1, object())
+        return step.busy_until
+
+    # One core: half speed over [2, 6) ms loses 2 ms of the step's work.
+    assert after_burst(1, 2 * ms, 6 * ms) == pytest.approx(12 * ms)
+    # A burst that outlasts it: the 8 ms left run at half speed.
+    assert after_burst(1, 2 * ms, 30 * ms) == pytest.approx(18 * ms)
+    # Two cores, two threads: no one waits.
+    assert after_burst(2, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
+    # No shared cores (an accelerator): nothing changes.
+    assert after_burst(None, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
