@@ -59,6 +59,9 @@ class KvEventSubscriber:
         self._backoff = resync_backoff_s
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Cancelled by stop() and not yet finished: each still holds a socket until its
+        # ``finally`` runs, which close() must wait for before it ends the context.
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def start(self, engine_id: str, endpoint: str, worker_url: str) -> None:
         self.stop(engine_id)
@@ -70,14 +73,21 @@ class KvEventSubscriber:
         task = self._tasks.pop(engine_id, None)
         if task is not None:
             task.cancel()
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        """Stop every subscription, wait until each has closed its socket, then end the context.
+        Waiting matters: ``Context.term`` blocks the thread (the event loop) until every socket is
+        closed, and a task cancelled but not yet run closes its socket only on the loop, so a
+        worker that left just before shutdown would hang it."""
+        tasks = [*self._tasks.values(), *self._stopping]
         self._tasks.clear()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._ctx.term()
+        # Every socket is closed by now; linger 0 all the same, so nothing can block here.
+        self._ctx.destroy(linger=0)
 
     async def _resync(self, engine_id: str, worker_url: str) -> None:
         """Load a snapshot, retrying with backoff until it is consistent or the task is stopped."""
