@@ -80,9 +80,11 @@ async def test_queue_timeout_refuses_a_request_that_waited_too_long(make_cluster
 
 
 async def test_request_deadline_ends_slow_requests_and_aborts_the_worker(make_cluster) -> None:
-    c = await make_cluster(roles=("decode",), request_timeout_s=0.4)
+    # The stream must get its headers (its first token, 0.3 s) well before the 1 s deadline even
+    # on a loaded CI machine; 20 tokens take 6 s, so both requests hit it.
+    c = await make_cluster(roles=("decode",), request_timeout_s=1.0)
     (d,) = c.workers
-    d.behaviour.token_delay_s = 0.15
+    d.behaviour.token_delay_s = 0.3
     r = await post(c, body(max_tokens=20))
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
     await wait_for(lambda: len(d.aborted) == 1, what="abort after the deadline")
