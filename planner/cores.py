@@ -89,12 +89,14 @@ class CoreShare:
         (``SimWorker.extend``)."""
         if self.cores is None or end <= start:
             return
+        # Everything wanting the cores at `start` but the source; each running step is among
+        # them, so one count serves every step.
+        n = sum(k for _, k in self._busy(start, source))
+        before, after = min(1.0, self.cores / max(n, 1)), min(1.0, self.cores / (n + threads))
+        if after >= before:
+            return
         for w in self.workers:
             if w is source or not w.busy or w.busy_until <= start:
-                continue
-            n = self.threads + sum(k for _, k in self._busy(start, w, source))
-            before, after = min(1.0, self.cores / n), min(1.0, self.cores / (n + threads))
-            if after >= before:
                 continue
             # The step's work left at `start`, done at `after` during the burst, then `before`.
             work = (w.busy_until - start) * before

@@ -98,9 +98,10 @@ class SimRouter:
     ) -> None:
         """``seed``: draw each request's serving latency from ``serving.request_spread``
         (seeded); None: every request gets ``serving.request_seconds``. ``share``: the cores
-        the loops share with the workers (their bursts are reported to it and it sees their
-        queues). ``client_loop``: the load generator runs on those cores too; ``client`` then
-        queues its CPU per request and per token (``serving.client_*_cpu``)."""
+        the loops share with the workers (their bursts are reported to it; the simulator
+        registers ``busy_loops`` with it). ``client_loop``: the load generator runs on those
+        cores too; ``client`` then queues its CPU per request and per token
+        (``serving.client_*_cpu``)."""
         self.loop = loop
         self.placer = placer
         self.config = config
@@ -121,12 +122,16 @@ class SimRouter:
         self.placements: dict[str, int] = {}
         self.loops = [RouterLoop(loop, share) for _ in range(config.routers)]
         self.client = RouterLoop(loop, share) if client_loop and share is not None else None
-        if share is not None:
-            share.loops = [*self.loops] + ([self.client] if self.client is not None else [])
         self._loop_of: dict[str, RouterLoop] = {}
         self._arrivals = 0
         self._spread = serving.request_spread if seed is not None else ()
         self._rng = random.Random(seed)
+
+    @property
+    def busy_loops(self) -> list[RouterLoop]:
+        """The single-threaded loops that take CPU beside the workers: the router's, and the
+        client's where it shares the cores."""
+        return [*self.loops] + ([self.client] if self.client is not None else [])
 
     @property
     def callbacks(self) -> WorkerCallbacks:
