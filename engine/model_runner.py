@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem.engine import huge_pages
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.input_batch import BlockTables
 from tandem.engine.kv_layout import KVLayout
@@ -66,7 +67,12 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         # Zeroed, not empty: padded attention reads unused slots under a mask, and NaN * 0 = NaN.
-        self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
+        # On a CPU host its pages are huge where the OS allows (engine/huge_pages.py).
+        if device.type == "cpu":
+            self.kv_cache, self.kv_huge_pages = huge_pages.zeros(layout.shape, layout.torch_dtype)
+        else:
+            self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
+            self.kv_huge_pages = False
         self.sampler = Sampler()
         self.block_tables = BlockTables()
         self.graphs: DecodeGraphs | None = None

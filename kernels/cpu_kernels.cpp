@@ -130,6 +130,15 @@ inline void accumulate_values(const float* p, const float* v, int64_t v_stride, 
   }
 }
 
+// Prefetch every 64-byte line of `rows` rows of `row_floats` floats, `stride` floats apart, into
+// L2, not L1 (locality 2: prefetcht1): a block's 8 KiB of K and V pulled into the 32 KiB L1
+// while the current block is computed evicted its working set (measured: 9-10 ms against 7.4 ms
+// for decode attention over 90 MB; one block ahead did as well as two).
+inline void prefetch_rows(const float* p, int rows, int64_t stride, int row_floats) {
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < row_floats; o += 16) __builtin_prefetch(p + r * stride + o, 0, 2);
+}
+
 struct AttnTile {
   const float* q;
   int64_t q_st, q_sh;
@@ -169,6 +178,15 @@ void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t 
   // Keys every row sees: [lo_all, hi_all]; outside it, per-row masks apply.
   const int64_t hi_all = first_row;
   const int64_t lo_all = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+  // The floats of one position's K (V) rows for heads [h0, h1): contiguous in the usual
+  // [block, slot, head, dim] layout.
+  const int row_floats_k = static_cast<int>((nh - 1) * kc_h + D);
+  const int row_floats_v = static_cast<int>((nh - 1) * vc_h + D);
+  {
+    const int64_t b = first / bs;
+    prefetch_rows(kc + static_cast<int64_t>(bt[b]) * kc_b + t.w.h0 * kc_h, bs, kc_s, row_floats_k);
+    prefetch_rows(vc + static_cast<int64_t>(bt[b]) * vc_b + t.w.h0 * vc_h, bs, vc_s, row_floats_v);
+  }
   for (int64_t b = first / bs; b <= last / bs; ++b) {
     const int64_t j0 = b * bs > first ? b * bs : first;
     const int64_t j1 = (b + 1) * bs - 1 < last ? (b + 1) * bs - 1 : last;  // inclusive
@@ -176,14 +194,13 @@ void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t 
     const float* kb0 = kc + static_cast<int64_t>(bt[b]) * kc_b + (j0 - b * bs) * kc_s;
     const float* vb0 = vc + static_cast<int64_t>(bt[b]) * vc_b + (j0 - b * bs) * vc_s;
     if (b < last / bs) {
-      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for its
-      // K and V rows now, while this block is computed (the loop is memory-latency bound).
+      // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for
+      // every cache line of its K and V rows now, while this block is computed (the loop is
+      // memory-latency bound).
       const float* kn = kc + static_cast<int64_t>(bt[b + 1]) * kc_b + t.w.h0 * kc_h;
       const float* vn = vc + static_cast<int64_t>(bt[b + 1]) * vc_b + t.w.h0 * vc_h;
-      for (int j = 0; j < bs; j += 2) {
-        __builtin_prefetch(kn + j * kc_s);
-        __builtin_prefetch(vn + j * vc_s);
-      }
+      prefetch_rows(kn, bs, kc_s, row_floats_k);
+      prefetch_rows(vn, bs, vc_s, row_floats_v);
     }
     for (int h = 0; h < nh; ++h) {
     const float* kb = kb0 + (t.w.h0 + h) * kc_h;

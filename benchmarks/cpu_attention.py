@@ -1,0 +1,94 @@
+"""Decode attention on CPU alone, at the roofline benchmark's shapes, against memory bandwidth.
+
+    python benchmarks/cpu_attention.py [--seqs 128] [--layers 4] [--hot] [--no-huge-pages]
+
+The engine's KV layout ([block, layer, K/V, slot, head, dim], block-major as the connector moves
+it) with --seqs sequences of 82-562 tokens (prompts of 32-512 plus 50 decoded, as in
+step_roofline.py), their blocks scattered at random over a cache three times the used size.
+One decode step's attention for every layer is timed (``cpu_ops.cpu_paged_attention``, the
+fused forward's kernel); reported with the K/V bytes it reads and the GB/s that makes, beside
+a plain ``torch.sum`` over a cold buffer as large (the machine's streaming read, same run).
+``--hot``: every sequence reads the same first blocks (all in cache: the kernel's compute
+bound). ``--no-huge-pages``: the cache on 4 KiB pages (engine/huge_pages.py off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+from tandem.engine import huge_pages
+from tandem.kernels import cpu_ops
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 32, 16  # the hidden-256 random Llama's attention
+
+
+def median_s(fn, repeats: int) -> float:  # noqa: ANN001 - a thunk
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--hot", action="store_true")
+    ap.add_argument("--no-huge-pages", action="store_true")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    lens = [rng.randint(32, 512) + 50 for _ in range(a.seqs)]
+    blocks = [(n + BLOCK - 1) // BLOCK for n in lens]
+    total = 3 * sum(blocks)
+    shape = (total, a.layers, 2, BLOCK, KV_HEADS, HEAD_DIM)
+    if a.no_huge_pages:
+        cache, advised = torch.empty(shape), False
+    else:
+        cache, advised = huge_pages.zeros(shape, torch.float32)
+    cache.normal_()
+    order = list(range(total))
+    rng.shuffle(order)
+    table = torch.zeros(a.seqs, max(blocks), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = torch.arange(nb) if a.hot else torch.tensor(order[used:used + nb])
+        used += nb
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(a.seqs, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        for layer in range(a.layers):
+            k, v = cache[:, layer, 0], cache[:, layer, 1]
+            cpu_ops.cpu_paged_attention(q, k, v, table, seq_lens, HEAD_DIM**-0.5, out=out)
+
+    attn_s = median_s(step, a.repeats)
+    kv_bytes = sum(lens) * a.layers * 2 * KV_HEADS * HEAD_DIM * 4
+    cold = [torch.randn(kv_bytes // 4) for _ in range(4)]  # four, read in turn: none stays hot
+    turn = iter(range(10**9))
+    read_s = median_s(lambda: cold[next(turn) % 4].sum(), a.repeats)
+    print(json.dumps({
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "seqs": a.seqs, "layers": a.layers, "hot": a.hot, "huge_pages": advised,
+        "attention_ms": round(attn_s * 1e3, 3), "kv_mb": round(kv_bytes / 1e6, 1),
+        "attention_gb_s": round(kv_bytes / attn_s / 1e9, 1),
+        "streaming_read_gb_s": round(kv_bytes / read_s / 1e9, 1),
+        "fraction_of_streaming_read": round(read_s / attn_s, 3),
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
