@@ -110,6 +110,36 @@ inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_s
 template <int kD>
 inline void accumulate_values(const float* p, const float* v, int64_t v_stride, int n,
                               float* __restrict acc, int head_dim) {
+#ifdef __AVX2__
+  if constexpr (kD > 0 && kD % 8 == 0 && kD <= 64) {
+    // Explicit registers: written as a float array, GCC kept the accumulator on the stack, so
+    // each value row waited on the previous row's store (perf: a load-FMA-store chain per key).
+    // Two chains (even and odd keys) hide the FMA latency; their sum is taken at the end.
+    constexpr int V = kD / 8;
+    __m256 a[V], b[V];
+    for (int i = 0; i < V; ++i) {
+      a[i] = _mm256_loadu_ps(acc + 8 * i);
+      b[i] = _mm256_setzero_ps();
+    }
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+      const float* v0 = v + j * v_stride;
+      const float* v1 = v0 + v_stride;
+      for (int i = 0; i < V; ++i) {
+        a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), a[i]);
+        b[i] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * i), b[i]);
+      }
+    }
+    if (j < n) {
+      const __m256 p0 = _mm256_broadcast_ss(p + j);
+      const float* v0 = v + j * v_stride;
+      for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), a[i]);
+    }
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(a[i], b[i]));
+    return;
+  }
+#endif
   if constexpr (kD > 0 && kD <= 128) {
     float a[kD];
     for (int d = 0; d < kD; ++d) a[d] = acc[d];
