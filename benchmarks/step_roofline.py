@@ -8,7 +8,8 @@
    alone with torch on warm weights: their sum is the step's matmul-bound time, the least a step
    can take with this BLAS on this machine. Reported: the step's median time and
    ``matmul_bound_fraction = matmul-bound time / step time`` (1.0 would be a step doing nothing
-   but its matrix products). The GEMM throughput at those shapes and at a large square
+   but its matrix products), taken per round over --rounds alternating rounds of steps and
+   matmuls; the median round is reported. The GEMM throughput at those shapes and at a large square
    (the machine's float32 peak through torch) is reported beside it.
 2. Engine-thread overhead at --overhead-seqs decoding sequences: the median per step of
    everything `Engine.step()` does besides the model, the logits and the sampler, i.e.
@@ -87,9 +88,8 @@ class Stopwatch:
         setattr(obj, name, timed_call)
 
 
-def roofline(path: str, num_seqs: int, steps: int) -> dict[str, float]:
+def roofline(path: str, num_seqs: int, steps: int, rounds: int) -> dict[str, object]:
     engine = decoding_engine(path, num_seqs, (32, 512))
-    step_s = timed(engine.step, steps)
     model = engine.runner.model
     weights = []
     for layer in model.layers:
@@ -98,19 +98,26 @@ def roofline(path: str, num_seqs: int, steps: int) -> dict[str, float]:
         weights += [mlp.down_proj.weight]
     weights.append(model.lm_head.weight)
     inputs = {w.shape[1]: torch.randn(num_seqs, w.shape[1]) for w in weights}
+    flops = sum(2 * num_seqs * w.shape[0] * w.shape[1] for w in weights)
+    # Step and matmuls are timed in alternating rounds and their ratio taken per round: another
+    # tenant's burst then slows both sides of one ratio instead of one side of the only one.
+    per_round = []
     with torch.inference_mode():
-        per_gemm = [timed(lambda w=w: torch.nn.functional.linear(inputs[w.shape[1]], w))
-                    for w in weights]  # fmt: skip
+        for _ in range(rounds):
+            step_s = timed(engine.step, steps)
+            matmul_s = sum(timed(lambda w=w: torch.nn.functional.linear(inputs[w.shape[1]], w))
+                           for w in weights)  # fmt: skip
+            per_round.append((matmul_s / step_s, step_s, matmul_s))
         big = torch.randn(2048, 2048)
         peak_s = timed(lambda: big @ big, 5)
-    flops = sum(2 * num_seqs * w.shape[0] * w.shape[1] for w in weights)
-    matmul_s = sum(per_gemm)
     engine.abort([f"s{i}" for i in range(num_seqs)])
+    fraction, step_s, matmul_s = sorted(per_round)[len(per_round) // 2]
     return {
         "seqs": num_seqs,
         "step_ms": step_s * 1e3,
         "matmul_bound_ms": matmul_s * 1e3,
-        "matmul_bound_fraction": matmul_s / step_s,
+        "matmul_bound_fraction": fraction,
+        "fraction_per_round": [round(f, 3) for f, _, _ in per_round],
         "gemm_gflops_at_step_shapes": flops / matmul_s / 1e9,
         "gemm_gflops_2048_square": 2 * 2048**3 / peak_s / 1e9,
     }
@@ -170,6 +177,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=128)
     ap.add_argument("--overhead-seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
     global clock
@@ -180,7 +188,7 @@ def main() -> None:
         f"torch {torch.__version__}",
         "model": f"random Llama, hidden {args.hidden_size}, {args.num_layers} layers",
         "clock": args.clock,
-        "roofline": roofline(path, args.seqs, args.steps),
+        "roofline": roofline(path, args.seqs, args.steps, args.rounds),
         "overhead": engine_overhead(path, args.overhead_seqs, args.steps),
     }
     print(json.dumps(result, indent=2))
