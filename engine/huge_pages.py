@@ -64,4 +64,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, boo
     advice was taken."""
     t = torch.empty(shape, dtype=dtype)
     advised = advise_huge_pages(t)
+    if advised:
+        log.info("%d MiB advised onto transparent huge pages", t.numel() * t.element_size() >> 20)
     return t.zero_(), advised

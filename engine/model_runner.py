@@ -69,10 +69,9 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads unused slots under a mask, and NaN * 0 = NaN.
         # On a CPU host its pages are huge where the OS allows (engine/huge_pages.py).
         if device.type == "cpu":
-            self.kv_cache, self.kv_huge_pages = huge_pages.zeros(layout.shape, layout.torch_dtype)
+            self.kv_cache, _ = huge_pages.zeros(layout.shape, layout.torch_dtype)
         else:
             self.kv_cache = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device)
-            self.kv_huge_pages = False
         self.sampler = Sampler()
         self.block_tables = BlockTables()
         self.graphs: DecodeGraphs | None = None
