@@ -71,17 +71,24 @@ def run_hf(path: str, reqs: list[tuple[list[int], int]], batch_size: int) -> tup
     return clock() - start, total
 
 
-def write_random_llama(hidden: int = 256, layers: int = 4) -> str:
+def write_random_llama(hidden: int = 256, layers: int = 4, printable: bool = False) -> str:
+    """A random-weight Llama (seeded) with the demo's byte tokenizer, written to a temp dir.
+
+    ``printable``: the tokenizer's own vocabulary and an LM head that is zero outside the
+    printable-ASCII rows, so every greedy token is one character of text (with the hidden state
+    random, the largest of 95 random logits is above zero). A random head over the 4096-token
+    vocabulary streams mostly fragments of UTF-8 sequences, whose text the router holds back
+    until they complete: what a client then times is not the engine (plan_validation.py)."""
     import tempfile
 
     import transformers
 
-    from tandem.engine.demo.tokenizer_build import build_tokenizer
+    from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
 
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=4096,
+        vocab_size=VOCAB_SIZE if printable else 4096,
         hidden_size=hidden,
         intermediate_size=hidden * 43 // 16,
         num_hidden_layers=layers,
@@ -89,7 +96,13 @@ def write_random_llama(hidden: int = 256, layers: int = 4) -> str:
         num_key_value_heads=2,
         max_position_embeddings=2048,
     )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    model = transformers.LlamaForCausalLM(cfg)
+    if printable:
+        with torch.no_grad():
+            keep = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
+            keep[32:127] = True
+            model.lm_head.weight[~keep] = 0.0
+    model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return out
 

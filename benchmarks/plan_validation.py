@@ -75,37 +75,6 @@ class Row:
         )
 
 
-def write_decodable_llama(hidden: int, layers: int) -> str:
-    """A random-weight Llama over the demo's byte tokenizer whose greedy tokens are printable
-    ASCII, so each streamed token is one character of text, as with the demo. Its LM head's
-    other rows are zero: with the hidden state random, the largest of 95 random logits is
-    above zero. (A random head's tokens are mostly fragments of UTF-8 sequences, whose text
-    the router holds back until they complete: the client's stream timing was then not the
-    engine's.) The same shapes as offline_throughput.write_random_llama but the vocabulary."""
-    import tempfile
-
-    import torch
-    import transformers
-
-    from tandem.engine.demo.tokenizer_build import VOCAB_SIZE, build_tokenizer
-
-    out = tempfile.mkdtemp(prefix="tandem-planval-")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=hidden * 43 // 16,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        keep = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
-        keep[32:127] = True
-        model.lm_head.weight[~keep] = 0.0
-    model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
-    return out
-
-
 def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
     """(input, output) tokens of the three shapes, scaled to the model's context (at most 512,
     so a run stays about a minute)."""
@@ -315,7 +284,9 @@ def main() -> None:
     for name in args.models.split(","):
         model = name
         if name == "random-512":
-            model = write_decodable_llama(hidden=512, layers=4)
+            from offline_throughput import write_random_llama
+
+            model = write_random_llama(hidden=512, layers=4, printable=True)
         threads = args.threads or split_threads(args.cores, 2)
         if name in given:
             profile = Path(given[name])

@@ -92,7 +92,9 @@ class CoreShare:
         # Everything wanting the cores at `start` but the source; each running step is among
         # them, so one count serves every step.
         n = sum(k for _, k in self._busy(start, source))
-        before, after = min(1.0, self.cores / max(n, 1)), min(1.0, self.cores / (n + threads))
+        if n == 0:  # nothing else runs: no step to lengthen
+            return
+        before, after = min(1.0, self.cores / n), min(1.0, self.cores / (n + threads))
         if after >= before:
             return
         for w in self.workers:

@@ -140,7 +140,7 @@ def run_simulation(
     )  # fmt: skip
     roles = [Role.PREFILL] * dep.prefill
     roles += [Role.COLOCATED if dep.colocated else Role.DECODE] * dep.decode
-    share.loops = [*router.busy_loops]
+    share.loops = router.busy_loops
     workers: list[SimWorker] = []
     share.workers = workers
     num_blocks = dep.num_blocks or e.num_blocks
