@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="PROFILE.json")
     p.add_argument("--transports", default="tcp,ucx",
                    help="comma-separated KV transports to time (default tcp,ucx)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point")
+    p.add_argument("--repeats", type=int, default=9, help="timed steps per grid point")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="the engine's CPU threads, as each worker will run (`tandem up "
                    "--worker-threads`); default: a worker's own default")  # fmt: skip
@@ -63,8 +63,13 @@ def main(argv: list[str]) -> int:
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
         raise SystemExit(f"tandem profile: --transports must name tcp and/or ucx, got {bad}")
-    if args.repeats < 1:
-        raise SystemExit("tandem profile: --repeats must be >= 1")
+    from tandem.engine.sim.profiler import REPEATS_ROOM
+
+    if not 1 <= args.repeats <= REPEATS_ROOM:
+        raise SystemExit(
+            f"tandem profile: --repeats must be 1 to {REPEATS_ROOM} (the context room a decode "
+            f"point keeps for its timed steps), got {args.repeats}"
+        )
     if args.threads is not None and args.threads < 1:
         raise SystemExit("tandem profile: --threads must be >= 1")
     from tandem.engine.cpu_threads import default_threads, set_engine_threads

@@ -23,8 +23,8 @@ def linear(*coefficients: float) -> LinearModel:
 
 
 def synthetic_profile(
-    execute: tuple[float, ...] = (0.002, 1e-5, 0.0, 0.0, 0.0),
-    host: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0),
+    execute: tuple[float, ...] = (0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0),
+    host: tuple[float, ...] = (0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0),
     transfer: tuple[float, float] = (0.001, 1e-9),
     num_blocks: int = 1024,
     max_num_batched_tokens: int = 512,

@@ -1,13 +1,21 @@
 """The cost model: a step's seconds from its batch shape, a KV transfer's seconds from its bytes.
 
 A batch is described by its rows, each ``(num_new_tokens, num_computed_tokens)`` as the scheduler
-made it (``SchedulerOutput``). The step time is linear in five features of that shape:
+made it (``SchedulerOutput``). The step time is linear in seven features of that shape:
 
     steps             1 per step (fixed launch and bookkeeping cost)
     tokens            new tokens in the batch (projections and MLP: linear in tokens)
     rows              sequences in the batch (per-sequence input preparation and sampling)
-    prefill_attention query-key pairs of the prefill rows (q > 1): q * context + q * (q + 1) / 2
+    prefill_rows      rows with q > 1 (each takes the extend-attention path: masks, its own call)
+    prefix_attention  query-key pairs of the prefill rows over their cached prefix: q * context
+    causal_attention  query-key pairs of the prefill rows among their new tokens: q * (q + 1) / 2
     decode_context    keys read by the decode rows (q == 1): context + 1
+
+The two attention features are apart because they cost differently: the prefix is read from the
+paged cache, the new tokens attend to each other as one dense causal block (on the demo model on
+a CPU, a prefix pair costs four times a causal pair; one feature for both over-predicted a
+254-token prompt by a third). ``prefill_rows`` is the fixed cost of a prompt that a decode row
+does not pay.
 
 ``fit_linear`` fits non-negative coefficients, weighting each point by 1 / seconds so short and
 long steps count alike (relative error). Pure and torch-free: the simulated runner, the
@@ -19,23 +27,30 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-STEP_FEATURES = ("steps", "tokens", "rows", "prefill_attention", "decode_context")
+STEP_FEATURES = (
+    "steps", "tokens", "rows", "prefill_rows", "prefix_attention", "causal_attention",
+    "decode_context",
+)  # fmt: skip
 TRANSFER_FEATURES = ("transfers", "bytes")
 
 
 def step_features(rows: Iterable[tuple[int, int]]) -> tuple[float, ...]:
     """The features of one batch, from ``(num_new_tokens, num_computed_tokens)`` per row."""
-    tokens = n_rows = 0
-    prefill_pairs = 0.0
-    decode_ctx = 0
+    tokens = n_rows = prefill_rows = decode_ctx = 0
+    prefix_pairs = causal_pairs = 0.0
     for q, ctx in rows:
         tokens += q
         n_rows += 1
         if q > 1:
-            prefill_pairs += q * ctx + q * (q + 1) / 2
+            prefill_rows += 1
+            prefix_pairs += q * ctx
+            causal_pairs += q * (q + 1) / 2
         else:
             decode_ctx += ctx + 1
-    return (1.0, float(tokens), float(n_rows), prefill_pairs, float(decode_ctx))
+    return (
+        1.0, float(tokens), float(n_rows), float(prefill_rows), float(prefix_pairs),
+        causal_pairs, float(decode_ctx),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,10 @@ from tandem.engine.sim.cost_model import (
 )
 
 PROFILE_FORMAT = "tandem-profile"
-PROFILE_VERSION = 1
+# 2: the step model's seven features (1 had five: one attention feature, no prefill rows, and
+# decode points a profiler could time on fewer sequences than they name). A version-1 profile
+# is refused: make it again with `tandem profile`.
+PROFILE_VERSION = 2
 MAX_PROFILE_BYTES = 16 << 20
 
 
@@ -267,7 +270,8 @@ def profile_from_dict(data: Any) -> Profile:
     if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
         raise ValueError(
             f"profile: not a {PROFILE_FORMAT} version {PROFILE_VERSION} document "
-            f"(format {data.get('format')!r}, version {data.get('version')!r})"
+            f"(format {data.get('format')!r}, version {data.get('version')!r}); "
+            "make it again with `tandem profile`"
         )
     m = _get(data, "model", "")
     model = ModelFacts(

@@ -59,6 +59,13 @@ def _powers(lo: int, hi: int) -> list[int]:
     return out
 
 
+# Untimed decode steps before a decode point's timed ones.
+WARMUP_STEPS = 4
+# Context room a decode point keeps for its timed steps (one per repeat: 9 by default, 12 at
+# most; more repeats make the profiler refuse the points with the least room).
+REPEATS_ROOM = 12
+
+
 def default_grid(
     max_model_len: int, budget: int, max_num_seqs: int, num_blocks: int, block_size: int,
     quick: bool = False,
@@ -80,8 +87,11 @@ def default_grid(
     decode = []
     for b in batches:
         for ctx in ctxs if not quick else ctxs[::2]:
-            blocks = b * (-(-(ctx + 16) // block_size))
-            if blocks <= num_blocks and ctx + 16 < max_model_len:
+            # Room for the steps that prefill the batch (the first decode meanwhile) and the
+            # warm-up and timed steps, so no sequence finishes before it is timed.
+            grows = -(-b * ctx // budget) + WARMUP_STEPS + REPEATS_ROOM
+            blocks = b * (-(-(ctx + grows) // block_size))
+            if blocks <= num_blocks and ctx + grows < max_model_len:
                 decode.append((b, ctx))
     mixed = []
     q_mid = qs[len(qs) // 2]
@@ -115,7 +125,7 @@ class StepProfiler:
     """Owns the engine it measures; ``run`` returns the points, ``fit`` the execute and host
     models. ``progress`` is called once per finished grid point (a progress bar's update)."""
 
-    def __init__(self, engine: Engine, repeats: int = 5, seed: int = 0) -> None:
+    def __init__(self, engine: Engine, repeats: int = 9, seed: int = 0) -> None:
         self.engine = engine
         self.timed = _TimedRunner(engine.runner)
         engine.runner = self.timed
@@ -151,17 +161,40 @@ class StepProfiler:
         self.engine.abort(self._live)
         self._live = []
 
-    def _decoding(self, batch: int, ctx: int, extra: int) -> None:
+    def _decoding(self, batch: int, ctx: int) -> None:
+        """``batch`` requests with ``ctx``-token prompts, stepped until all of them decode.
+
+        The budget prefills them a few per step while the first ones already decode, so each
+        may take the whole context's room: one that reached ``max_tokens`` before the timed
+        steps would leave a smaller batch than the point names (``_checked`` refuses that)."""
+        room = self.engine.max_model_len - ctx - 1
         for _ in range(batch):
-            self._add(self._tokens(ctx), self.repeats + extra + 2)
+            self._add(self._tokens(ctx), room)
         sched = self.engine.scheduler
         while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
             self.engine.step()
+        # The first decode steps after the prefills run slow (up to 2.5x at one sequence on the
+        # demo model, falling over three or four steps: caches refilled with the decode's own
+        # data); serving decodes warm, so they are not timed.
+        for _ in range(WARMUP_STEPS):
+            self.engine.step()
+
+    def _checked(
+        self, label: str, sample: tuple[list[tuple[int, int]], float, float], decodes: int
+    ) -> tuple[list[tuple[int, int]], float, float]:
+        got = sum(1 for q, _ in sample[0] if q == 1)
+        if got != decodes:
+            raise RuntimeError(
+                f"tandem profile: {label} timed a step of {got} decoding sequences, not "
+                f"{decodes}: some finished early (too little context room for this point)"
+            )
+        return sample
 
     def _point(
         self, label: str, samples: list[tuple[list[tuple[int, int]], float, float]]
     ) -> StepPoint:
-        rows = samples[len(samples) // 2][0]
+        # The rows of the sample whose time is the point's (contexts grow a token per step).
+        rows = sorted(samples, key=lambda s: s[1])[(len(samples) - 1) // 4][0]
         groups: dict[tuple[int, int], int] = {}
         for row in rows:
             groups[row] = groups.get(row, 0) + 1
@@ -188,19 +221,21 @@ class StepProfiler:
         return self._point(f"prefill q={q} ctx={ctx}", samples)
 
     def decode(self, batch: int, ctx: int) -> StepPoint:
-        self._decoding(batch, ctx, 0)
-        samples = [self._timed_step() for _ in range(self.repeats)]
+        label = f"decode batch={batch} ctx={ctx}"
+        self._decoding(batch, ctx)
+        samples = [self._checked(label, self._timed_step(), batch) for _ in range(self.repeats)]
         self._drain()
-        return self._point(f"decode batch={batch} ctx={ctx}", samples)
+        return self._point(label, samples)
 
     def mixed(self, batch: int, ctx: int, q: int) -> StepPoint:
-        self._decoding(batch, ctx, self.repeats)
+        label = f"mixed batch={batch} ctx={ctx} q={q}"
+        self._decoding(batch, ctx)
         samples = []
         for _ in range(self.repeats):
             self._add(self._tokens(q), 1)
-            samples.append(self._timed_step())
+            samples.append(self._checked(label, self._timed_step(), batch))
         self._drain()
-        return self._point(f"mixed batch={batch} ctx={ctx} q={q}", samples)
+        return self._point(label, samples)
 
     def run(self, grid: StepGrid, progress: Callable[[], None] = lambda: None) -> list[StepPoint]:
         self.decode(1, 16)  # warm-up: first calls allocate and pick kernels

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tandem.engine.sim.profile import load_profile
 from tandem.engine.sim.tokens import printable_token_ids
 
@@ -37,6 +39,14 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     # Prefill rows are what the grid asked for: q fresh tokens after a cached prefix of ctx.
     chunk = next(p for p in profile.step_points if p.label == "prefill q=32 ctx=64")
     assert chunk.rows == ((32, 64, 1),)
+    # Decode points time the whole batch they name: none of its sequences finished while the
+    # budget still prefilled the others (a 32 x 224-token batch takes four prefill steps).
+    for p in profile.step_points:
+        if p.label.startswith(("decode", "mixed")):
+            batch = int(p.label.split()[1].removeprefix("batch="))
+            assert sum(n for q, _, n in p.rows if q == 1) == batch, p
+            assert sum(n for q, _, n in p.rows if q > 1) == p.label.startswith("mixed"), p
+    assert any(p.label == "decode batch=32 ctx=224" for p in profile.step_points)
     assert {p.transport for p in profile.transfer_points} == {"tcp"}
     assert set(profile.transfer.models) == {"tcp"}
     big, small = (
@@ -61,3 +71,12 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     assert plan.returncode == 0, plan.stderr
     answer = json.loads(plan.stdout)
     assert answer["feasible"] is True and answer["prefill"] + answer["decode"] <= 2
+
+
+def test_bad_profile_flags_are_refused_before_anything_loads() -> None:
+    from tandem.profile import main
+
+    with pytest.raises(SystemExit, match=r"--repeats must be 1 to 12 .*got 13"):
+        main(["--model", "demo", "--output", "x.json", "--repeats", "13"])
+    with pytest.raises(SystemExit, match=r"--repeats must be 1 to 12 .*got 0"):
+        main(["--model", "demo", "--output", "x.json", "--repeats", "0"])

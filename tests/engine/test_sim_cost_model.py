@@ -24,15 +24,15 @@ from tandem.engine.sim.tokens import next_token
 def test_step_features_of_a_mixed_batch() -> None:
     # A 64-token chunk after 32 computed tokens, a 1-token prompt tail, two decodes.
     rows = [(64, 32), (1, 9), (1, 100), (1, 0)]
-    assert step_features(rows) == (1.0, 67.0, 4.0, 64 * 32 + 64 * 65 / 2, 10 + 101 + 1)
-    assert step_features([]) == (1.0, 0.0, 0.0, 0.0, 0.0)
+    assert step_features(rows) == (1.0, 67.0, 4.0, 1.0, 64 * 32, 64 * 65 / 2, 10 + 101 + 1)
+    assert step_features([]) == (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def test_fit_recovers_exact_coefficients() -> None:
-    truth = LinearModel(STEP_FEATURES, (0.003, 2e-5, 1e-4, 3e-9, 5e-8))
+    truth = LinearModel(STEP_FEATURES, (0.003, 2e-5, 1e-4, 4e-4, 3e-9, 1e-9, 5e-8))
     shapes = [[(q, c)] for q in (16, 64, 256) for c in (0, 128)]
     shapes += [[(1, c)] * b for b in (1, 8, 32) for c in (32, 512)]
-    shapes += [[(128, 0)] + [(1, 64)] * 4]
+    shapes += [[(128, 0)] + [(1, 64)] * 4, [(32, 0), (32, 64)]]
     xs = [step_features(s) for s in shapes]
     ys = [truth.predict(x) for x in xs]
     fitted = fit_linear(STEP_FEATURES, xs, ys)
@@ -43,10 +43,10 @@ def test_fit_recovers_exact_coefficients() -> None:
 
 def test_fit_never_goes_negative_and_ignores_constant_zero_features() -> None:
     # y falls with tokens: the unconstrained slope is negative, NNLS clamps it to zero.
-    xs = [(1.0, t, 0.0, 0.0, 0.0) for t in (1.0, 2.0, 3.0)]
+    xs = [(1.0, t, 0.0, 0.0, 0.0, 0.0, 0.0) for t in (1.0, 2.0, 3.0)]
     fitted = fit_linear(STEP_FEATURES, xs, [0.3, 0.2, 0.1])
     assert fitted.coefficients[1] == 0.0
-    assert fitted.coefficients[2:] == (0.0, 0.0, 0.0)
+    assert fitted.coefficients[2:] == (0.0,) * 5
     assert fitted.coefficients[0] > 0
     with pytest.raises(ValueError, match="> 0"):
         fit_linear(STEP_FEATURES, xs, [0.1, 0.0, 0.1])
@@ -60,7 +60,7 @@ def test_transfer_cost_names_the_missing_transport() -> None:
 
 
 def test_profile_round_trips_through_json(tmp_path: Path) -> None:
-    profile = synthetic_profile(execute=(0.002, 1e-5, 3e-5, 1e-9, 2e-8), num_blocks=99)
+    profile = synthetic_profile(execute=(0.002, 1e-5, 3e-5, 0, 1e-9, 1e-9, 2e-8), num_blocks=99)
     path = tmp_path / "p.json"
     profile.save(path)
     again = load_profile(path)
@@ -75,12 +75,12 @@ def _raw() -> dict:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(version=2), "version 1 document"),
+        (lambda d: d.update(version=1), "version 2 document .* again with `tandem profile`"),
         (lambda d: d["model"].pop("vocab_size"), "model.vocab_size is missing"),
         (lambda d: d["engine"].update(num_blocks=0), "engine.num_blocks must be an integer >= 1"),
         (lambda d: d["engine"].update(block_size=24), "power of two"),
-        (lambda d: d["step"].update(execute=[0.1, -1, 0, 0, 0]), r"step.execute\[1\]"),
-        (lambda d: d["step"].update(host=[0.1]), "list of 5 coefficients"),
+        (lambda d: d["step"].update(execute=[0.1, -1, 0, 0, 0, 0, 0]), r"step.execute\[1\]"),
+        (lambda d: d["step"].update(host=[0.1]), "list of 7 coefficients"),
         (lambda d: d["model"].update(sim_token_ids=[257]), "must not contain an EOS"),
         (lambda d: d["model"].update(sim_token_ids=[]), "must not be empty"),
         (lambda d: d["transfer"]["models"].update(tcp="fast"), "transfer.models.tcp"),

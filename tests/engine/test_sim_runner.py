@@ -40,7 +40,7 @@ def _request(rid: str, prompt: list[int], computed: int) -> Request:
 
 
 def test_runner_waits_the_profiled_time_and_emits_the_rule_tokens() -> None:
-    profile = synthetic_profile(execute=(0.004, 1e-4, 0.0, 0.0, 1e-6))
+    profile = synthetic_profile(execute=(0.004, 1e-4, 0.0, 0, 0.0, 0.0, 1e-6))
     layout = KVLayout(4, 2, 32, 16, "float32", 64)
     clock = FakeClock()
     runner = SimulatedRunner(profile.step, layout, DEMO_TOKENS, clock.clock, clock.sleep)
@@ -64,7 +64,7 @@ def test_runner_waits_the_profiled_time_and_emits_the_rule_tokens() -> None:
 
 
 def test_a_slow_host_is_not_charged_twice() -> None:
-    profile = synthetic_profile(execute=(0.010, 0.0, 0.0, 0.0, 0.0))
+    profile = synthetic_profile(execute=(0.010, 0.0, 0.0, 0, 0.0, 0.0, 0.0))
     clock = FakeClock()
 
     def slow_clock() -> float:  # 2 ms pass between the runner's two readings
@@ -78,7 +78,7 @@ def test_a_slow_host_is_not_charged_twice() -> None:
 
 
 def test_engine_on_simulated_parts_serves_with_the_real_scheduler() -> None:
-    profile = synthetic_profile(execute=(0.0005, 0.0, 0.0, 0.0, 0.0), num_blocks=40)
+    profile = synthetic_profile(execute=(0.0005, 0.0, 0.0, 0, 0.0, 0.0, 0.0), num_blocks=40)
     config = EngineConfig(model="demo")
     parts = build_simulated_parts(config, profile)
     assert parts.layout.num_blocks == 40 and parts.simulated_transfer is profile.transfer

@@ -157,7 +157,7 @@ SPEC = parse_spec(
     }
 )  # fmt: skip
 # The TTFT-bound case of tests/planner/test_plan_search.py, ten times slower: 0.5 s prompts.
-PROFILE = synthetic_profile(execute=(0.1, 1e-3, 0, 0, 0), transfer=(0.0, 0.0),
+PROFILE = synthetic_profile(execute=(0.1, 1e-3, 0, 0, 0, 0, 0), transfer=(0.0, 0.0),
                             max_num_batched_tokens=512, max_model_len=1024)  # fmt: skip
 
 

@@ -37,7 +37,7 @@ NAME = "sim"
 TSVC = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/tandemservices"
 DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments"
 # 20 ms per step + 15 ms per token: a ~30-token demo prompt is ~0.47 s of prefill.
-PROFILE = synthetic_profile(execute=(0.02, 0.015, 0, 0, 0), transfer=(0.001, 1e-9),
+PROFILE = synthetic_profile(execute=(0.02, 0.015, 0, 0, 0, 0, 0), transfer=(0.001, 1e-9),
                             num_blocks=512, serving=ServingCost(0.002, 0.001, 0.002))  # fmt: skip
 
 

@@ -27,7 +27,7 @@ def test_ttft_bound_prompts_need_three_prefill_workers_and_one_decode() -> None:
     12 ms < 15 ms, so one decode worker. Colocated workers put a 50 ms prefill into their decode
     batches every few steps: ITL misses at 3 and 4 workers.
     """
-    profile = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0), transfer=(0.0, 0.0),
+    profile = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0), transfer=(0.0, 0.0),
                                 max_num_batched_tokens=512, max_model_len=1024)  # fmt: skip
     w = Workload(rate=50, isl=Lengths(400), osl=Lengths(11), num_requests=500,
                  arrival=Arrival.CONSTANT)  # fmt: skip
@@ -52,7 +52,7 @@ def test_itl_bound_decode_needs_two_workers_and_cheap_prefill_favours_colocated(
     5 times in a request's life: ~1.6 ms of ITL over 8 ms, so 2 colocated workers meet the SLO
     too, with fewer workers: the plan is colocated.
     """
-    profile = synthetic_profile(execute=(0.005, 1e-4, 5e-4, 0, 0), transfer=(0.0, 0.0),
+    profile = synthetic_profile(execute=(0.005, 1e-4, 5e-4, 0, 0, 0, 0), transfer=(0.0, 0.0),
                                 max_model_len=1024)  # fmt: skip
     w = Workload(rate=20, isl=Lengths(200), osl=Lengths(64), num_requests=400,
                  arrival=Arrival.CONSTANT)  # fmt: skip
@@ -68,7 +68,7 @@ def test_itl_bound_decode_needs_two_workers_and_cheap_prefill_favours_colocated(
 
 
 def test_cli_prints_the_plan_as_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    path = write_profile(tmp_path / "p.json", execute=(0.01, 1e-4, 0, 0, 0),
+    path = write_profile(tmp_path / "p.json", execute=(0.01, 1e-4, 0, 0, 0, 0, 0),
                          transfer=(0.0, 0.0), max_num_batched_tokens=512,
                          max_model_len=1024)  # fmt: skip
     args = ["--profile", str(path), "--isl", "400", "--osl", "11", "--rate", "50",
@@ -91,7 +91,7 @@ def test_cli_prints_the_plan_as_json(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_an_infeasible_slo_is_said_plainly_with_the_closest_miss(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    path = write_profile(tmp_path / "p.json", execute=(0.01, 1e-4, 0, 0, 0))
+    path = write_profile(tmp_path / "p.json", execute=(0.01, 1e-4, 0, 0, 0, 0, 0))
     args = ["--profile", str(path), "--isl", "100", "--osl", "10", "--rate", "5",
             "--ttft-p90", "0.001", "--itl-p90", "0.001", "--max-workers", "3",
             "--requests", "100"]  # fmt: skip

@@ -23,7 +23,7 @@ from tandem.planner.workload import Arrival, Lengths, Workload
 
 # 10 ms per step + 0.1 ms per token.
 BASE = ServingCost(request_seconds=0.002, token_seconds=0.001, handoff_seconds=0.0)
-PROFILE = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0), serving=BASE)
+PROFILE = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0), serving=BASE)
 
 
 def test_a_router_loop_serves_its_work_first_come_first_served() -> None:

@@ -14,7 +14,7 @@ from tandem.planner.workload import Arrival, Lengths, Workload
 
 SERVING = ServingCost(request_seconds=0.002, token_seconds=0.001, handoff_seconds=0.003)
 # 10 ms per step + 0.1 ms per token; transfers 1 ms + 1 ns per byte (a block is 32 KiB).
-PROFILE = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0), transfer=(0.001, 1e-9),
+PROFILE = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0), transfer=(0.001, 1e-9),
                             serving=SERVING)  # fmt: skip
 
 
