@@ -158,6 +158,13 @@ def test_killed_worker_loses_no_stream_and_restarts(up: Cluster, role: str) -> N
     restarts = {name: up.restarts(name) for name in up.pids}
 
     def kill() -> None:
+        if role == "decode":
+            # The first streamed token may be a prefill's, before any decode holds a stream
+            # (seen once in CI: no migration to count): wait until one does.
+            wait_for(
+                lambda: any(w["inflight"] > 0 for w in up.workers() if w["role"] == role),
+                30, "a decode worker with streams", interval=0.02,
+            )  # fmt: skip
         killed.append(up.busiest(role))  # mid-stream: it has sub-requests in flight
         up.signal(killed[0], signal.SIGKILL)
 

@@ -22,7 +22,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog, again and again and again
 class SimUp:
     def __init__(self, tmp: Path) -> None:
         self.profile = tmp / "profile.json"
-        synthetic_profile(execute=(0.004, 1e-5, 0, 0, 0), transfer=(0.002, 1e-9)).save(self.profile)
+        profile = synthetic_profile(execute=(0.004, 1e-5, 0, 0, 0, 0, 0), transfer=(0.002, 1e-9))
+        profile.save(self.profile)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.internal = free_port()
