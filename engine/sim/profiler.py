@@ -59,6 +59,9 @@ def _powers(lo: int, hi: int) -> list[int]:
     return out
 
 
+# One timed step: the rows the scheduler made, execute seconds, host seconds.
+Sample = tuple[list[tuple[int, int]], float, float]
+
 # Untimed decode steps before a decode point's timed ones.
 WARMUP_STEPS = 4
 # Context room a decode point keeps for its timed steps (one per repeat: 9 by default, 12 at
@@ -147,7 +150,7 @@ class StepProfiler:
         self._live.append(rid)
         return rid
 
-    def _timed_step(self) -> tuple[list[tuple[int, int]], float, float]:
+    def _timed_step(self) -> Sample:
         self.timed.last = None
         t0 = time.perf_counter()
         self.engine.step()
@@ -179,9 +182,7 @@ class StepProfiler:
         for _ in range(WARMUP_STEPS):
             self.engine.step()
 
-    def _checked(
-        self, label: str, sample: tuple[list[tuple[int, int]], float, float], decodes: int
-    ) -> tuple[list[tuple[int, int]], float, float]:
+    def _checked(self, label: str, sample: Sample, decodes: int) -> Sample:
         got = sum(1 for q, _ in sample[0] if q == 1)
         if got != decodes:
             raise RuntimeError(
@@ -190,18 +191,17 @@ class StepProfiler:
             )
         return sample
 
-    def _point(
-        self, label: str, samples: list[tuple[list[tuple[int, int]], float, float]]
-    ) -> StepPoint:
-        # The rows of the sample whose time is the point's (contexts grow a token per step).
-        rows = sorted(samples, key=lambda s: s[1])[(len(samples) - 1) // 4][0]
+    def _point(self, label: str, samples: list[Sample]) -> StepPoint:
+        # The point's time is the lower-quartile sample's, and so are its rows (contexts grow a
+        # token per step).
+        rows, execute, _ = sorted(samples, key=lambda s: s[1])[(len(samples) - 1) // 4]
         groups: dict[tuple[int, int], int] = {}
         for row in rows:
             groups[row] = groups.get(row, 0) + 1
         return StepPoint(
             label=label,
             rows=tuple((q, c, n) for (q, c), n in sorted(groups.items())),
-            execute_seconds=lower_quartile([s[1] for s in samples]),
+            execute_seconds=execute,
             host_seconds=lower_quartile([s[2] for s in samples]),
             samples=tuple(s[1] for s in samples),
         )
