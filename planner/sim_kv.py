@@ -52,6 +52,7 @@ class KVFabric:
             dst.aborted.discard(request_id)
             reason = FailureReason.ABORTED if aborted else None
             dst.finished.append(LoadResult(request_id, not aborted, reason))
+            src.on_served()
             src.release(params.remote_request_id)
             dst.wake()
 
@@ -71,6 +72,9 @@ class SimConnector:
         self.finished: list[LoadResult] = []
         self.aborted: set[str] = set()
         self._published: set[str] = set()
+        # Called as each pull of this worker's blocks completes (the worker charges its side
+        # of the transfer to its next step).
+        self.on_served: Callable[[], None] = lambda: None
 
     def release(self, request_id: str) -> None:
         if request_id in self._published:

@@ -70,6 +70,7 @@ class SimWorker:
         step_overhead: float = 0.0,
         row_overhead: float = 0.0,
         request_overhead: float = 0.0,
+        transfer_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -99,6 +100,10 @@ class SimWorker:
             self.hooks = ColocatedHooks()
         else:
             conn = fabric.connector(engine_id, lambda: self.wake(POLL_SECONDS / 2))
+            if transfer_overhead:
+                # Serving a pull (its side channel and data socket, beside the engine thread
+                # under one GIL) comes after the first token, so it delays later steps only.
+                conn.on_served = lambda: self._owe(transfer_overhead)
             if role is Role.PREFILL:
                 self.hooks = PrefillHooks(conn)
             else:
@@ -131,6 +136,9 @@ class SimWorker:
         self._owed += self._request_overhead
         self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
         self.wake()
+
+    def _owe(self, seconds: float) -> None:
+        self._owed += seconds
 
     def wake(self, delay: float = 0.0) -> None:
         if self.busy:

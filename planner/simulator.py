@@ -151,7 +151,7 @@ def run_simulation(
         w = SimWorker(
             loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
             profile.model.sim_token_ids, fabric, router.callbacks, share,
-            sv.step_seconds, sv.row_seconds, sv.request_cpu(role),
+            sv.step_seconds, sv.row_seconds, sv.request_cpu(role), sv.transfer_cpu(role),
         )  # fmt: skip
         if options.record_history:
             w.history = []

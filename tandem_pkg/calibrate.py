@@ -28,6 +28,13 @@ The hand-off is a lower quartile over the requests, as the step times are
 (``engine/sim/profiler.py``): other work on the machine only ever adds to a latency. The first
 token and the ITL are medians with their spreads, since their tails are what the planner
 predicts.
+
+``tandem profile`` measures in segments (``measure_serving``, one after each pass over the
+step grid, ``CPU_REQUESTS`` requests per phase split between them) and ``serving_cost`` pools
+them: CPU as a mean, each latency as the median of the segments' own. A shared machine's pace
+moves in steps lasting minutes: one profile's first-token share came out at 2.8 ms where the
+profiles before and after it, of the same code, gave 5.4-6.5 ms. With three segments one such
+stretch no longer sets the profile.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -196,17 +204,30 @@ def _complete(runs: list[list[float]]) -> list[list[float]]:
     return [t for t in runs if len(t) >= 2]
 
 
-def calibrate_serving(
-    profile: Profile, model: str, transport: str, options: Sequence[str] = (),
-    threads: int | None = None,
-) -> ServingCost:  # fmt: skip
-    """The profile's ServingCost measured on this machine; ValueError if nothing was measured.
-    ``options`` are the engine options (``key=value``) the workers run with, ``threads`` each
-    worker's engine threads (default: the profile's, the threads its steps were timed with)."""
-    threads = profile.threads if threads is None else threads
-    step = profile.step
-    rng = random.Random(0)
-    tokens = profile.model.sim_token_ids
+@dataclass(frozen=True, slots=True)
+class ServingSample:
+    """One segment's raw measurements (``measure_serving``): each answer's chunk times in the
+    order sent, colocated (``alone``) and 1P1D (``pd``), and each process's CPU seconds per
+    request (by `tandem` subcommand, the client under ``CLIENT``) over OSL-token requests
+    (``cpu_long``), one-token ones (``cpu_short``) and 1P1D ones (``cpu_pd``)."""
+
+    alone: tuple[tuple[float, ...], ...]
+    pd: tuple[tuple[float, ...], ...]
+    cpu_long: dict[str, float]
+    cpu_short: dict[str, float]
+    cpu_pd: dict[str, float]
+
+
+def measure_serving(
+    model: str, transport: str, tokens: Sequence[int], options: Sequence[str] = (),
+    threads: int = 1, requests: int = CPU_REQUESTS, seed: int = 0,
+) -> ServingSample:  # fmt: skip
+    """One segment of the serving stage: a colocated `tandem up` of ``model`` (``requests``
+    lone requests of OSL tokens, then as many of one token) and a 1P1D one (``requests`` lone
+    requests), each worker on ``threads`` engine threads and ``options`` (``key=value``),
+    prompts of ``tokens`` drawn with ``seed``. ``tandem profile`` runs several segments
+    between its grid passes (``serving_cost`` pools them)."""
+    rng = random.Random(seed)
 
     def prompt() -> list[int]:
         return rng.choices(tokens, k=ISL)
@@ -218,39 +239,90 @@ def calibrate_serving(
         def stream(up: LocalUp, p: list[int], max_tokens: int = OSL) -> list[float]:
             return _stream(client, up.url, model, p, max_tokens)
 
+        def serial(up: LocalUp, into: list[list[float]]) -> Callable[[], int]:
+            def run() -> int:
+                into.extend(_complete([stream(up, prompt()) for _ in range(requests)]))
+                return requests
+
+            return run
+
+        alone: list[list[float]] = []
+        pd: list[list[float]] = []
         with _up(model, 0, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
-            alone: list[list[float]] = []
-
-            def serial(into: list[list[float]]) -> Callable[[], int]:
-                def run() -> int:
-                    into.extend(_complete([stream(up, prompt()) for _ in range(CPU_REQUESTS)]))
-                    return CPU_REQUESTS
-
-                return run
 
             def one_token() -> int:
-                for _ in range(CPU_REQUESTS):
+                for _ in range(requests):
                     stream(up, prompt(), max_tokens=1)
-                return CPU_REQUESTS
+                return requests
 
-            cpu_long = _cpu_per_request(up, serial(alone))
+            cpu_long = _cpu_per_request(up, serial(up, alone))
             cpu_short = _cpu_per_request(up, one_token)
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
-            pd: list[list[float]] = []
-            cpu_pd = _cpu_per_request(up, serial(pd))
-    if not alone or not pd:
+            cpu_pd = _cpu_per_request(up, serial(up, pd))
+    return ServingSample(
+        alone=tuple(tuple(t) for t in alone), pd=tuple(tuple(t) for t in pd),
+        cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd,
+    )  # fmt: skip
+
+
+def _mean_cpu(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over segments that measured it (equal requests per segment)."""
+    keys = {k for d in dicts for k in d}
+    return {k: statistics.fmean(d[k] for d in dicts if k in d) for k in keys}
+
+
+def _median_of(parts: Sequence[Sequence[float]], stat: Callable[[list[float]], float]) -> float:
+    """``stat`` of each non-empty part, then their median: a segment measured in another pace
+    of the machine (a step, lasting minutes, seen here between profiles of the same code)
+    moves the result by at most the gap to its neighbours, not by its weight in the pool."""
+    return statistics.median(stat(list(p)) for p in parts if p)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
+def calibrate_serving(
+    profile: Profile, model: str, transport: str, options: Sequence[str] = (),
+    threads: int | None = None,
+) -> ServingCost:  # fmt: skip
+    """The profile's ServingCost from one segment measured now; ValueError if nothing was
+    measured. ``options`` are the engine options (``key=value``) the workers run with,
+    ``threads`` each worker's engine threads (default: the profile's, the threads its steps
+    were timed with)."""
+    threads = profile.threads if threads is None else threads
+    sample = measure_serving(model, transport, profile.model.sim_token_ids, options, threads)
+    return serving_cost(profile, [sample], transport)
+
+
+def serving_cost(
+    profile: Profile, segments: Sequence[ServingSample], transport: str
+) -> ServingCost:  # fmt: skip
+    """The ServingCost of ``segments`` with ``profile``'s step model subtracted; ValueError if
+    they hold no complete answers. CPU figures are means over the segments; latencies are
+    each segment's, then the median over segments (one segment: its own figures; two: their
+    mean); spreads are quantile by quantile the median of the segments' (one segment:
+    ``steady_quantiles`` of its parts)."""
+    step = profile.step
+    alone = [_complete([list(t) for t in s.alone]) for s in segments]
+    pd = [_complete([list(t) for t in s.pd]) for s in segments]
+    if not any(alone) or not any(pd):
         raise ValueError("the serving calibration got no complete answers")
+    threads = profile.threads
+    cpu_long = _mean_cpu([s.cpu_long for s in segments])
+    cpu_short = _mean_cpu([s.cpu_short for s in segments])
+    cpu_pd = _mean_cpu([s.cpu_pd for s in segments])
 
     # Per request, the mean gap after the first token (guidellm's ITL, the planner's target):
     # streamed tokens arrive in bursts (several in one read, then a longer gap), so a quantile
     # of single gaps says nothing about the pace.
-    itl_in_order = [(t[-1] - t[0]) / (OSL - 1) for t in alone]
-    itl = sorted(itl_in_order)
-    itl_median = itl[len(itl) // 2]
+    itls = [[(t[-1] - t[0]) / (OSL - 1) for t in part] for part in alone]
+    itl_median = _median_of(itls, _median)
     decode1 = step.step_seconds([(1, ISL + OSL // 2)])
     prefill = step.step_seconds([(ISL, 0)])
     # CPU: a one-token request costs each process its per-request work; the OSL - 1 further
@@ -274,17 +346,17 @@ def calibrate_serving(
     # the step and the step's own overhead.
     step_overhead = max(0.0, itl_median - decode1)
     # The first token's serving latency per request: its median, and its spread.
-    served_in_order = [max(0.0, t[0] - prefill - step_overhead) for t in alone]
-    served = sorted(served_in_order)
-    router = served[len(served) // 2]
+    served = [[max(0.0, t[0] - prefill - step_overhead) for t in part] for part in alone]
+    router = _median_of(served, _median)
     # The first token's latency holds both processes' per-request CPU: the rest is the token's.
     request_part = min(router, max(router * 0.75, router_request + worker_request))
     blocks = -(-ISL // profile.engine.block_size)
     pull = profile.transfer.seconds(transport, blocks * profile.engine.block_bytes)
     # The hand-off gap needs the second chunk to be the second token (decode's first).
-    whole = [t for t in pd if len(t) == OSL]
-    handoff_gap = _low([t[1] - t[0] for t in whole]) if whole else 0.0
+    gaps = [[t[1] - t[0] for t in part if len(t) == OSL] for part in pd]
+    handoff_gap = _median_of(gaps, _low) if any(gaps) else 0.0
     predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
+    paces = [[v / _median(part) for v in part] for part in itls if part and _median(part)]
     return ServingCost(
         request_seconds=round(request_part, 6),
         token_seconds=round(router - request_part, 6),
@@ -298,9 +370,11 @@ def calibrate_serving(
         decode_request_cpu=round(decode_request, 6),
         client_request_cpu=round(client_request, 6),
         client_token_cpu=round(client_token, 7),
-        request_spread=steady_quantiles(served_in_order),
-        pace_spread=steady_quantiles([v / itl_median for v in itl_in_order]) if itl_median else (),
-        pace_seconds=round(sorted(t[-1] - t[0] for t in alone)[len(alone) // 2], 6),
+        request_spread=segment_quantiles(served),
+        pace_spread=segment_quantiles(paces) if paces else (),
+        pace_seconds=round(
+            _median_of([[t[-1] - t[0] for t in part] for part in alone], _median), 6
+        ),
     )
 
 
@@ -328,3 +402,15 @@ def steady_quantiles(
         quantiles(in_order[round(i * size) : round((i + 1) * size)], n) for i in range(segments)
     ]
     return tuple(round(statistics.median(q[i] for q in parts), 6) for i in range(n))
+
+
+def segment_quantiles(segments: Sequence[Sequence[float]], n: int = 10) -> tuple[float, ...]:
+    """Quantiles over the serving stage's segments (each in measured order): with three or
+    more, quantile by quantile the median of each segment's ``quantiles``, so one segment in
+    another pace of the machine does not set them; with fewer, ``steady_quantiles`` of all the
+    values in order."""
+    parts = [list(p) for p in segments if p]
+    if len(parts) < 3:
+        return steady_quantiles([v for p in parts for v in p], n)
+    per = [quantiles(p, n) for p in parts]
+    return tuple(round(statistics.median(q[i] for q in per), 6) for i in range(n))

@@ -35,7 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="PROFILE.json")
     p.add_argument("--transports", default="tcp,ucx",
                    help="comma-separated KV transports to time (default tcp,ucx)")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=9, help="timed steps per grid point")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="timed steps per grid point and pass")  # fmt: skip
+    p.add_argument("--passes", type=int, default=3,
+                   help="passes over the grid, each followed by a segment of the serving "
+                   "stage; a point's time is its lower quartile over every pass, a serving "
+                   "latency the median over segments (the machine's pace moves over "
+                   "minutes)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="the engine's CPU threads, as each worker will run (`tandem up "
                    "--worker-threads`); default: a worker's own default")  # fmt: skip
@@ -70,6 +76,8 @@ def main(argv: list[str]) -> int:
             f"tandem profile: --repeats must be 1 to {REPEATS_ROOM} (the context room a decode "
             f"point keeps for its timed steps), got {args.repeats}"
         )
+    if not 1 <= args.passes <= 10:
+        raise SystemExit(f"tandem profile: --passes must be 1 to 10, got {args.passes}")
     if args.threads is not None and args.threads < 1:
         raise SystemExit("tandem profile: --threads must be >= 1")
     from tandem.engine.cpu_threads import default_threads, set_engine_threads
@@ -104,10 +112,16 @@ def main(argv: list[str]) -> int:
                      max_blocks})  # fmt: skip
     if args.quick:
         counts = sorted({1, max_blocks})
-    bar = tqdm(total=grid.size + len(counts) * len(transports), desc="tandem profile",
-               unit="point", file=sys.stderr)  # fmt: skip
-    points = StepProfiler(engine, repeats=args.repeats).run(grid, lambda: bar.update(1))
-    execute, host, fit = fit_step_models(points)
+    serving = not args.no_serving
+    if serving and (args.device, args.dtype) != ("cpu", "float32"):
+        print("tandem profile: `tandem up` runs workers on the CPU in float32 only: skipping the "
+              "serving stage (its defaults stay in the profile)", file=sys.stderr)  # fmt: skip
+        serving = False
+    arch = engine.arch
+    eos = frozenset(engine.eos_token_ids)
+    sim_tokens = printable_token_ids(engine.tokenizer, arch.vocab_size, eos)
+    bar = tqdm(total=args.passes * grid.size + len(counts) * len(transports),
+               desc="tandem profile", unit="point", file=sys.stderr)  # fmt: skip
     transfer_points: list[TransferPoint] = []
     for t in transports:
         try:
@@ -117,11 +131,31 @@ def main(argv: list[str]) -> int:
         except (ImportError, RuntimeError, OSError) as exc:
             bar.update(len(counts))
             print(f"tandem profile: skipping {t}: {exc}", file=sys.stderr)
-    bar.close()
     if not transfer_points:
+        bar.close()
         raise SystemExit("tandem profile: no KV transport could be timed")
-    arch = engine.arch
-    eos = frozenset(engine.eos_token_ids)
+    # The serving stage's P/D hand-off runs over TCP where it was timed (the tests' transport).
+    transport = min({p.transport for p in transfer_points}, key=lambda t: t != "tcp")
+    profiler = StepProfiler(engine, repeats=args.repeats)
+    segments = []
+    for i in range(args.passes):
+        points = profiler.run(grid, lambda: bar.update(1))
+        if serving:
+            from tandem.calibrate import CPU_REQUESTS, measure_serving
+
+            # Between the passes, so the serving latencies are measured in the same stretches
+            # of the machine's pace as the steps subtracted from them. The engine here idles.
+            bar.set_postfix_str(f"serving segment {i + 1}/{args.passes}")
+            options = [f"{k}={v}" for k, v in args.engine_option]
+            requests = -(-CPU_REQUESTS // args.passes)
+            try:
+                segments.append(measure_serving(args.model, transport, sim_tokens, options,
+                                                threads, requests, seed=i))  # fmt: skip
+            except (RuntimeError, ValueError, OSError) as exc:
+                raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
+            bar.set_postfix_str("")
+    bar.close()
+    execute, host, fit = fit_step_models(points)
     import torch
 
     profile = Profile(
@@ -129,8 +163,7 @@ def main(argv: list[str]) -> int:
             name=args.model, architecture=arch.architecture, vocab_size=arch.vocab_size,
             num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             dtype=layout.dtype, max_model_len=engine.max_model_len,
-            eos_token_ids=tuple(sorted(eos)),
-            sim_token_ids=printable_token_ids(engine.tokenizer, arch.vocab_size, eos),
+            eos_token_ids=tuple(sorted(eos)), sim_token_ids=sim_tokens,
         ),
         engine=EngineFacts(
             device=args.device, block_size=layout.block_size, num_blocks=layout.num_blocks,
@@ -149,23 +182,15 @@ def main(argv: list[str]) -> int:
             "torch": torch.__version__, "python": platform.python_version(),
         },
     )  # fmt: skip
-    if not args.no_serving and (args.device, args.dtype) != ("cpu", "float32"):
-        print("tandem profile: `tandem up` runs workers on the CPU in float32 only: skipping the "
-              "serving stage (its defaults stay in the profile)", file=sys.stderr)  # fmt: skip
-    elif not args.no_serving:
+    if segments:
         from dataclasses import replace
 
-        from tandem.calibrate import calibrate_serving
+        from tandem.calibrate import serving_cost
 
-        del engine  # the workers of the serving stage load the model themselves
-        print("tandem profile: measuring serving latencies through tandem up", file=sys.stderr)
-        transport = min(profile.transfer.models, key=lambda t: t != "tcp")
-        options = [f"{k}={v}" for k, v in args.engine_option]
         try:
-            serving = calibrate_serving(profile, args.model, transport, options, threads=threads)
-        except (RuntimeError, ValueError, OSError) as exc:
+            profile = replace(profile, serving=serving_cost(profile, segments, transport))
+        except ValueError as exc:
             raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
-        profile = replace(profile, serving=serving)
     profile.save(args.output)
     if fit["sample_spread"] > 0.5:
         print(f"tandem profile: warning: step times vary a lot between repeats (spread "

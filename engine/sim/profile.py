@@ -128,9 +128,20 @@ class ServingCost:
     pace_seconds: float = 0.0
 
     def request_cpu(self, role: Role) -> float:
-        """A worker of ``role``'s CPU per request sent to it (the simulator's workers)."""
+        """A worker of ``role``'s CPU per request sent to it, which the simulator's workers take
+        from their next step. A prefill worker's is its request handling alone, the colocated
+        figure (its side of the KV transfer comes after the first token: ``transfer_cpu``)."""
+        if role is Role.PREFILL and self.prefill_request_cpu and self.worker_request_cpu:
+            return min(self.prefill_request_cpu, self.worker_request_cpu)
         measured = {Role.PREFILL: self.prefill_request_cpu, Role.DECODE: self.decode_request_cpu}
         return measured.get(role) or self.worker_request_cpu
+
+    def transfer_cpu(self, role: Role) -> float:
+        """A prefill worker's CPU per request beyond its request handling: serving the decode
+        worker's pull, taken from its next step once the pull is done (0 for other roles)."""
+        if role is Role.PREFILL and self.prefill_request_cpu and self.worker_request_cpu:
+            return max(0.0, self.prefill_request_cpu - self.worker_request_cpu)
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)

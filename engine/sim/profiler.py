@@ -125,8 +125,12 @@ class _TimedRunner:
 
 
 class StepProfiler:
-    """Owns the engine it measures; ``run`` returns the points, ``fit`` the execute and host
-    models. ``progress`` is called once per finished grid point (a progress bar's update)."""
+    """Owns the engine it measures. ``run`` makes one pass over a grid and returns the points
+    as measured so far; calling it again (``tandem profile --passes``) adds each point's samples
+    of the new pass to those of the earlier ones, so a point's lower quartile is taken over
+    passes minutes apart: this machine's pace moves in steps lasting minutes, which the
+    repeats of one pass, a fraction of a second apart, all share. ``progress`` is called once
+    per finished grid point (a progress bar's update)."""
 
     def __init__(self, engine: Engine, repeats: int = 9, seed: int = 0) -> None:
         self.engine = engine
@@ -136,6 +140,7 @@ class StepProfiler:
         self._rng = random.Random(seed)
         self._ids = 0
         self._live: list[str] = []
+        self._samples: dict[str, list[Sample]] = {}  # by point label, every pass's, in order
         vocab = engine.arch.vocab_size
         self._vocab = [t for t in range(vocab) if t not in engine.eos_token_ids]
 
@@ -191,9 +196,13 @@ class StepProfiler:
             )
         return sample
 
-    def _point(self, label: str, samples: list[Sample]) -> StepPoint:
-        # The point's time is the lower-quartile sample's, and so are its rows (contexts grow a
-        # token per step).
+    def _point(self, label: str, new: list[Sample], record: bool = True) -> StepPoint:
+        # The point's time is the lower-quartile sample's over every pass so far, and so are its
+        # rows (contexts grow a token per step). Warm-up points are not recorded.
+        samples = new
+        if record:
+            samples = self._samples.setdefault(label, [])
+            samples += new
         rows, execute, _ = sorted(samples, key=lambda s: s[1])[(len(samples) - 1) // 4]
         groups: dict[tuple[int, int], int] = {}
         for row in rows:
@@ -206,7 +215,7 @@ class StepProfiler:
             samples=tuple(s[1] for s in samples),
         )
 
-    def prefill(self, q: int, ctx: int) -> StepPoint:
+    def prefill(self, q: int, ctx: int, record: bool = True) -> StepPoint:
         prefix = self._tokens(ctx)
         if ctx:
             self._add(prefix, 1)
@@ -218,14 +227,14 @@ class StepProfiler:
             self._add(prefix + self._tokens(q), 1)
             samples.append(self._timed_step())
             self._drain()
-        return self._point(f"prefill q={q} ctx={ctx}", samples)
+        return self._point(f"prefill q={q} ctx={ctx}", samples, record)
 
-    def decode(self, batch: int, ctx: int) -> StepPoint:
+    def decode(self, batch: int, ctx: int, record: bool = True) -> StepPoint:
         label = f"decode batch={batch} ctx={ctx}"
         self._decoding(batch, ctx)
         samples = [self._checked(label, self._timed_step(), batch) for _ in range(self.repeats)]
         self._drain()
-        return self._point(label, samples)
+        return self._point(label, samples, record)
 
     def mixed(self, batch: int, ctx: int, q: int) -> StepPoint:
         label = f"mixed batch={batch} ctx={ctx} q={q}"
@@ -238,8 +247,10 @@ class StepProfiler:
         return self._point(label, samples)
 
     def run(self, grid: StepGrid, progress: Callable[[], None] = lambda: None) -> list[StepPoint]:
-        self.decode(1, 16)  # warm-up: first calls allocate and pick kernels
-        self.prefill(16, 0)
+        # Warm-up, each pass (the pass before may be minutes ago): first calls allocate and
+        # pick kernels.
+        self.decode(1, 16, record=False)
+        self.prefill(16, 0, record=False)
         points = []
         for q, ctx in grid.prefill:
             points.append(self.prefill(q, ctx))

@@ -19,7 +19,7 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     run = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "profile", "--model", "demo", "--quick",
-         "--repeats", "2", "--transports", "tcp", "--output", str(out)],
+         "--repeats", "2", "--passes", "2", "--transports", "tcp", "--output", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -34,8 +34,9 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     labels = {p.label.split()[0] for p in profile.step_points}
     assert labels == {"prefill", "decode", "mixed"}
     for p in profile.step_points:
-        assert p.execute_seconds > 0 and len(p.samples) == 2
-        assert sorted(p.samples)[0] == p.execute_seconds  # lower quartile of two
+        # Two repeats in each of two passes, pooled: the lower quartile of four.
+        assert p.execute_seconds > 0 and len(p.samples) == 4
+        assert sorted(p.samples)[0] == p.execute_seconds
     # Prefill rows are what the grid asked for: q fresh tokens after a cached prefix of ctx.
     chunk = next(p for p in profile.step_points if p.label == "prefill q=32 ctx=64")
     assert chunk.rows == ((32, 64, 1),)
@@ -78,5 +79,7 @@ def test_bad_profile_flags_are_refused_before_anything_loads() -> None:
 
     with pytest.raises(SystemExit, match=r"--repeats must be 1 to 12 .*got 13"):
         main(["--model", "demo", "--output", "x.json", "--repeats", "13"])
+    with pytest.raises(SystemExit, match=r"--passes must be 1 to 10, got 0"):
+        main(["--model", "demo", "--output", "x.json", "--passes", "0"])
     with pytest.raises(SystemExit, match=r"--repeats must be 1 to 12 .*got 0"):
         main(["--model", "demo", "--output", "x.json", "--repeats", "0"])

@@ -6,7 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tandem.calibrate import children_cpu, process_cpu, quantiles, steady_quantiles
+import pytest
+from sim_profiles import synthetic_profile
+
+from tandem.calibrate import (
+    OSL,
+    ServingSample,
+    children_cpu,
+    process_cpu,
+    quantiles,
+    segment_quantiles,
+    serving_cost,
+    steady_quantiles,
+)
 
 
 def test_quantiles_are_evenly_spaced_order_statistics() -> None:
@@ -46,3 +58,61 @@ def test_process_cpu_counts_threads_that_have_ended() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def _answers(first: float, itl: float, n: int) -> tuple[tuple[float, ...], ...]:
+    """``n`` answers of OSL chunks: the first at ``first`` s, then one every ``itl`` s."""
+    return tuple(tuple(first + i * itl for i in range(OSL)) for _ in range(n))
+
+
+def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
+    # Step model: 2 ms a step + 10 us a token, so a lone 32-token prefill takes 2.32 ms and a
+    # decode step 2.01 ms.
+    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
+    prefill, decode1 = 0.00232, 0.00201
+    slow_itl = decode1 + 0.0005  # 0.5 ms of serving overhead per step
+    cpu_long = {"router": 0.003 + 31 * 0.0002, "colocated": 0.00332 + 31 * (decode1 + 0.0003)}
+    pd = _answers(0.02, 0.01, 5)
+
+    def segment(served: float, itl: float, router_short: float) -> ServingSample:
+        return ServingSample(
+            alone=_answers(served + prefill + 0.0005, itl, 10), pd=pd, cpu_long=cpu_long,
+            cpu_short={"router": router_short, "colocated": 0.00332}, cpu_pd={},
+        )  # fmt: skip
+
+    usual = segment(0.006, slow_itl, 0.003)
+    # One segment in a fast stretch of the machine (a step seen between profiles): everything
+    # in it is quicker. Pooled, it would pull the first token's quantiles down to 2 ms.
+    fast = segment(0.002, slow_itl - 0.001, 0.006)
+    cost = serving_cost(profile, [usual, fast, usual], "tcp")
+    assert cost.step_seconds == pytest.approx(0.0005)  # the median segment's ITL less the step
+    assert cost.request_spread == pytest.approx((0.006,) * 10)
+    assert cost.pace_spread == pytest.approx((1.0,) * 10)
+    assert cost.pace_seconds == pytest.approx(31 * slow_itl)
+    # CPU is a mean over segments: the router's per one-token request is (3 + 6 + 3) / 3 ms.
+    router_token = (0.0092 - 0.004) / 31
+    assert cost.router_token_cpu == pytest.approx(router_token, abs=1e-7)
+    assert cost.router_request_cpu == pytest.approx(0.004 - router_token, abs=1e-6)
+    assert cost.worker_request_cpu == pytest.approx(0.001)
+    assert cost.row_seconds == pytest.approx(0.0003, abs=1e-7)
+    # The first token's 6 ms: the router's and the worker's CPU per request, the rest the
+    # token's.
+    request = 0.004 - router_token + 0.001
+    assert cost.request_seconds == pytest.approx(request, abs=1e-6)
+    assert cost.token_seconds == pytest.approx(0.006 - request, abs=1e-6)
+    # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
+    assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
+
+
+def test_serving_cost_of_no_complete_answers_is_refused() -> None:
+    empty = ServingSample(alone=((0.01,),), pd=(), cpu_long={}, cpu_short={}, cpu_pd={})
+    with pytest.raises(ValueError, match="no complete answers"):
+        serving_cost(synthetic_profile(), [empty], "tcp")
+
+
+def test_segment_quantiles_drop_one_segment_in_another_pace() -> None:
+    steady, fast = [5.0] * 8, [2.0] * 8
+    assert segment_quantiles([steady, fast, steady]) == (5.0,) * 10
+    # Two segments (or one) cannot outvote: the values in order, as steady_quantiles reads them.
+    assert segment_quantiles([steady, fast]) == steady_quantiles(steady + fast)
+    assert segment_quantiles([fast]) == steady_quantiles(fast)
