@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kernels import cpu_ops
+from tandem.kernels.refs import argmax_ref
 
 
 @dataclass(slots=True)
@@ -73,13 +75,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, ties to the lowest id. float32 logits on the CPU take the CPU kernel:
+    torch's argmax read ~1 G elements/s here (0.5 ms a step at 128 rows of 4096 tokens)."""
+    fit = logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(-1) == 1
+    if fit and logits.is_cpu and logits.dtype is torch.float32 and cpu_ops.available():
+        return cpu_ops.cpu_argmax(logits)
+    return argmax_ref(logits)
+
+
 class Sampler:
     """Stateless; one instance can serve every step of an engine."""
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Argmax per row of ``logits`` [B, V] (ties to the lowest id): the whole of sampling when
         :func:`argmax_only` holds, which the ModelRunner checks before building any rows."""
-        return logits.argmax(dim=-1).tolist()
+        return _argmax(logits).tolist()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]`` (any float dtype)."""
@@ -95,9 +106,7 @@ class Sampler:
         params = [row.params for row in rows]
         if argmax_only(params):
             # Converting to float32 cannot change the argmax, so skip the copy.
-            return SamplerOutput(
-                token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows)
-            )
+            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * len(rows))
         penalized = [_has_penalties(p) for p in params]
         want_logprobs = [p.logprobs is not None for p in params]
 

@@ -33,6 +33,8 @@ int tandem_rotary_f32(const int64_t* positions, float* q, int64_t q_st, int64_t 
                       int64_t k_st, int64_t k_sh, const float* cos_sin, int64_t max_pos,
                       int rot_dim, int num_tokens, int num_q_heads, int num_k_heads,
                       int num_threads);
+void tandem_argmax_f32(const float* x, int64_t x_st, int rows, int cols, int64_t* out,
+                       int num_threads);
 void tandem_linear_f32(const float* a, int64_t a_st, const float* w, const float* bias, float* c,
                        int64_t c_st, int num_tokens, int n, int k, int num_threads);
 }

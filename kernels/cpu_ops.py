@@ -24,6 +24,7 @@ from tandem.kernels.paged_args import check_out, check_paged_attention_args
 __all__ = [
     "LINEAR_MAX_ROWS",
     "available",
+    "cpu_argmax",
     "cpu_kv_cache_write",
     "cpu_linear",
     "cpu_paged_attention",
@@ -69,6 +70,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "tandem_silu_and_mul_f32": [_P, _I64, _P, _I64, _I, _I, _I],
     "tandem_rotary_f32": [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, *[_I] * 5],
     "tandem_linear_f32": [_P, _I64, _P, _P, _P, _I64, *[_I] * 4],
+    "tandem_argmax_f32": [_P, _I64, _I, _I, _P, _I],
 }
 # Functions that return a status: 0, or 1 + the index of the first bad token or sequence.
 _CHECKED = ("tandem_kv_cache_write_f32", "tandem_paged_attention_f32", "tandem_rotary_f32")
@@ -314,6 +316,20 @@ def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], inter), dtype=x.dtype)
     _get().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, x.shape[0], inter,
                         torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def cpu_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> int64 [B]: each row's largest entry's index, the first of equal ones, the first
+    NaN where there is one. Reference: :func:`~tandem.kernels.refs.argmax_ref` (torch.argmax).
+    The sampler's greedy rows take it (engine/sampler.py)."""
+    name = "cpu_argmax"
+    if _unfit(x) or x.dim() != 2 or x.shape[1] == 0:
+        _check_f32(name, x=x)
+        raise ValueError(f"{name}: x must be [B, V] with V > 0, got {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _get().argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+                  torch.get_num_threads())  # fmt: skip
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "argmax_ref",
     "attention_ref",
     "gather_seq_kv_ref",
     "kv_cache_write_ref",
@@ -29,6 +30,13 @@ __all__ = [
     "rotary_embedding_ref",
     "silu_and_mul_ref",
 ]
+
+
+def argmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """Each row's largest entry's index (int64): the first of equal ones, the first NaN where
+    there is one. Reference of :func:`tandem.kernels.cpu_ops.cpu_argmax`; the sampler's greedy
+    rows take it where the CPU kernels are off (or on another device)."""
+    return x.argmax(dim=-1)
 
 
 def kv_cache_write_ref(

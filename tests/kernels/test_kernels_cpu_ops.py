@@ -26,6 +26,7 @@ from paged_cases import (
 
 from tandem.kernels import cpu_build, cpu_ops
 from tandem.kernels.refs import (
+    argmax_ref,
     kv_cache_write_ref,
     linear_ref,
     paged_decode_attention_ref,
@@ -150,6 +151,50 @@ def test_pointwise_kernels_match_their_references(rows: int) -> None:
     torch.testing.assert_close(
         cpu_ops.cpu_silu_and_mul(gate_up), silu_and_mul_ref(gate_up), atol=1e-6, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("cols", [1, 7, 8, 13, 262, 4096])
+def test_argmax_matches_torch_on_ties_nans_and_strided_rows(cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn((9, cols), generator=gen)
+    x[1] = -torch.inf  # every entry the same: the first
+    x[2, :] = 1.0
+    x[3, cols // 2 :] = 50.0  # a tie for the max: the first of it
+    x[4, cols - 1] = 1e30  # the max in the scalar tail
+    x[5, cols // 3] = torch.nan  # a NaN wins, as in torch.argmax
+    x[6, 0] = torch.nan
+    x[6, cols - 1] = torch.nan
+    x[7] = torch.finfo(torch.float32).min
+    x[8] = -0.0
+    x[8, cols - 1] = 0.0  # -0.0 == 0.0: the first
+    assert torch.equal(cpu_ops.cpu_argmax(x), argmax_ref(x))
+    wide = torch.randn((5, cols + 3), generator=gen)
+    view = wide[:, 1 : cols + 1]  # rows cols + 3 apart
+    assert torch.equal(cpu_ops.cpu_argmax(view), argmax_ref(view))
+    assert cpu_ops.cpu_argmax(torch.empty((0, cols))).shape == (0,)
+
+
+def test_argmax_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match=r"cpu_argmax: x must be \[B, V\] with V > 0"):
+        cpu_ops.cpu_argmax(torch.zeros((3, 0)))
+    with pytest.raises(ValueError, match="cpu_argmax: x must be"):
+        cpu_ops.cpu_argmax(torch.zeros(5))
+    with pytest.raises(ValueError, match="cpu_argmax"):
+        cpu_ops.cpu_argmax(torch.zeros((2, 4), dtype=torch.float64))
+    with pytest.raises(ValueError, match="stride 1"):
+        cpu_ops.cpu_argmax(torch.zeros((4, 2)).t())
+
+
+def test_silu_and_mul_over_the_whole_range_of_its_input() -> None:
+    # Eight lanes at a time take sigmoid from exp(-|x|); both signs, zeros, tiny and huge
+    # magnitudes (where exp saturates) and a tail shorter than a vector (width 21).
+    gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.5, -0.5, 3.0, -3.0, 20.0,
+                         -20.0, 87.0, -87.0, 88.5, -88.5, 100.0, -100.0, 1e4, -1e4,
+                         7.25])  # fmt: skip
+    up = torch.linspace(-2.0, 2.0, gate.numel())
+    x = torch.cat([gate, up]).repeat(3, 1)
+    torch.testing.assert_close(cpu_ops.cpu_silu_and_mul(x), silu_and_mul_ref(x), atol=1e-6,
+                               rtol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, cpu_ops.LINEAR_MAX_ROWS, cpu_ops.LINEAR_MAX_ROWS + 1])
