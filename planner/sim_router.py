@@ -163,14 +163,9 @@ class SimRouter:
         sv = self.serving
         if self.client is not None:
             self.client.spend(sv.client_request_cpu)
-        measured = sv.request_seconds + sv.token_seconds
-        if self._spread:  # the first token's measured latency, drawn from its spread
-            measured = self._rng.choice(self._spread)
-        # Less the parts modelled apart: the token's way back, and the worker's CPU for the
-        # request, which the worker takes from its next step (measured through a real `tandem
-        # up`, the first token's latency holds it already).
-        own = sv.token_seconds + sv.request_cpu(Role.COLOCATED)
-        latency = max(sv.router_request_cpu, measured - own)
+        latency = sv.request_seconds
+        if self._spread:  # the first token's measured latency, less the token's own part
+            latency = max(sv.router_request_cpu, self._rng.choice(self._spread) - sv.token_seconds)
         router.serve(sv.router_request_cpu, latency, lambda: self._place(rid, wr, trace))
 
     def _candidates(self, workers: list[SimWorker], hashes: list) -> list[Candidate]:
