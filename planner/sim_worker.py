@@ -53,11 +53,6 @@ class WorkerCallbacks:
     on_events: Callable[[SimWorker, list[KVEvent]], None]  # after every step with events
 
 
-# CPython's GIL switch interval (sys.getswitchinterval()): how long a thread waiting for the
-# GIL lets the holder run before it forces a hand-over.
-GIL_SWITCH_SECONDS = 0.005
-
-
 class SimWorker:
     def __init__(
         self,
@@ -94,8 +89,8 @@ class SimWorker:
         self._overhead = step_overhead
         self._row_overhead = row_overhead
         # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
-        # with the next one's forward pass where a core is free (CPU the shared-core slowdown
-        # counts while ``shell_busy_until`` is ahead), but not with its Python (one GIL).
+        # with the next one where a core is free: CPU the shared-core slowdown counts while
+        # ``shell_busy_until`` is ahead, not time added to the step.
         self.shell_busy_until = 0.0
         # The HTTP side's work on each request sent here, taken from the next step (one GIL).
         self._request_overhead = request_overhead
@@ -183,17 +178,7 @@ class SimWorker:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
         serving = self._overhead + self._owed
         self._owed = 0.0
-        execute, host = self.cost.split_seconds(rows)
-        seconds = self._cores.step(self, execute + host + serving)
-        # One GIL: the step's Python (scheduling, output processing, the worker's own work) and
-        # the HTTP thread streaming the last step's tokens exclude each other; only the forward
-        # pass (C, the GIL released) runs beside the streaming. The step's Python at its end
-        # waits for the streaming still to be done then, at most CPython's switch interval
-        # (the streaming thread retakes the GIL after each socket write until a waiting thread
-        # forces a hand-over).
-        python = host + serving
-        late = self.shell_busy_until - (self.loop.now + seconds - python)
-        seconds += min(GIL_SWITCH_SECONDS, max(0.0, late))
+        seconds = self._cores.step(self, self.cost.step_seconds(rows) + serving)
         self.busy = True
         self.busy_until = self.loop.now + seconds
         self.steps += 1

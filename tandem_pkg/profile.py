@@ -136,13 +136,13 @@ def main(argv: list[str]) -> int:
         raise SystemExit("tandem profile: no KV transport could be timed")
     # The serving stage's P/D hand-off runs over TCP where it was timed (the tests' transport).
     transport = min({p.transport for p in transfer_points}, key=lambda t: t != "tcp")
+    from tandem.calibrate import CPU_REQUESTS, ServingSample, measure_serving, serving_cost
+
     profiler = StepProfiler(engine, repeats=args.repeats)
-    segments = []
+    segments: list[ServingSample] = []
     for i in range(args.passes):
         points = profiler.run(grid, lambda: bar.update(1))
         if serving:
-            from tandem.calibrate import CPU_REQUESTS, measure_serving
-
             # Between the passes, so the serving latencies are measured in the same stretches
             # of the machine's pace as the steps subtracted from them. The engine here idles.
             bar.set_postfix_str(f"serving segment {i + 1}/{args.passes}")
@@ -184,8 +184,6 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     if segments:
         from dataclasses import replace
-
-        from tandem.calibrate import serving_cost
 
         try:
             profile = replace(profile, serving=serving_cost(profile, segments, transport))

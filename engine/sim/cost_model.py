@@ -125,11 +125,6 @@ class StepCost:
         f = step_features(rows)
         return self.execute.predict(f) + self.host.predict(f)
 
-    def split_seconds(self, rows: Iterable[tuple[int, int]]) -> tuple[float, float]:
-        """(execute, host) seconds of a step of ``rows``."""
-        f = step_features(rows)
-        return self.execute.predict(f), self.host.predict(f)
-
 
 @dataclass(frozen=True, slots=True)
 class TransferCost:

@@ -13,7 +13,6 @@ from tandem.engine.sim.profile import ServingCost
 from tandem.planner.cores import shared_seconds
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_router import RouterLoop
-from tandem.planner.sim_worker import GIL_SWITCH_SECONDS
 from tandem.planner.simulator import (
     Deployment,
     MachinePace,
@@ -149,30 +148,10 @@ def test_a_prefill_worker_pays_its_side_of_a_transfer_after_the_first_token() ->
 
 def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
     # Four streams at once on one colocated worker; streaming a token costs its HTTP thread
-    # 2 ms, so a step's four tokens take it 8 ms, less than a 10.4 ms decode step: it is done
-    # before the next step's Python needs the GIL. With a core of its own (2 cores, 1 engine
-    # thread) or no shared cores (an accelerator) the steps are untouched; on 1 shared core
-    # each step runs at half speed for the 8 ms the streaming runs beside it: 4 ms longer.
-    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
-                 arrival=Arrival.CONSTANT)  # fmt: skip
-    rows = replace(PROFILE, serving=replace(BASE, row_seconds=0.002))
-
-    def itl(profile, cores: int | None) -> float:  # noqa: ANN001 - a Profile
-        r = simulate(profile, w, Deployment(0, 1),
-                     SimOptions(shared_cores=cores, variability=False))  # fmt: skip
-        return r.itl.p50
-
-    base = itl(PROFILE, None)
-    assert itl(rows, None) == pytest.approx(base)
-    assert itl(rows, 2) == pytest.approx(base)
-    assert itl(rows, 1) == pytest.approx(base + 0.004)
-
-
-def test_a_steps_python_waits_for_the_streaming_that_holds_the_gil() -> None:
-    # Streaming a token costs 20 ms of the HTTP thread: a step's four take 80 ms, far past the
-    # next 10.4 ms step, whose Python (scheduling, output processing) needs the GIL. CPython
-    # hands it over after its switch interval (5 ms), so every step ends 5 ms late, whatever
-    # the cores.
+    # 20 ms (longer than a 10.4 ms decode step), so that thread is always busy while the
+    # streams run. With a core of its own (2 cores, 1 engine thread) the steps are untouched;
+    # on 1 shared core each step is stretched 2x (engine + streaming thread); with no shared
+    # cores (an accelerator) streaming never slows a step.
     w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
                  arrival=Arrival.CONSTANT)  # fmt: skip
     rows = replace(PROFILE, serving=replace(BASE, row_seconds=0.02))
@@ -182,9 +161,10 @@ def test_a_steps_python_waits_for_the_streaming_that_holds_the_gil() -> None:
                      SimOptions(shared_cores=cores, variability=False))  # fmt: skip
         return r.itl.p50
 
-    for cores in (None, 2):
-        assert itl(rows, cores) == pytest.approx(itl(PROFILE, cores) + GIL_SWITCH_SECONDS)
-    assert GIL_SWITCH_SECONDS == 0.005
+    base = itl(PROFILE, None)
+    assert itl(rows, None) == pytest.approx(base)
+    assert itl(rows, 2) == pytest.approx(base)
+    assert itl(rows, 1) == pytest.approx(2 * base, rel=0.05)
 
 
 def test_shared_cores_are_processor_shared_over_the_overlap_only() -> None:
