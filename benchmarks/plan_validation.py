@@ -6,10 +6,10 @@ workload (``replay_load.py``: the simulator's own requests, at their arrival tim
 same requests with `tandem.planner` (the workers sharing this machine's cores, the client
 included), and compare TTFT p90 and ITL p90 (client view, guidellm's definitions). Each case runs
 ``--repeats`` times, the rounds interleaved, and is judged against the median of its rounds.
-With ``--profile-each-round`` (the default) every round after the first is preceded by a fresh
-profile, and each round is predicted from the profile made just before it: this machine's pace
-moves by tens of percent over minutes, and one profile carries the pace of the minutes it was
-made in. The table reports the single-profile figures too.
+By default every round after the first is preceded by a fresh profile, and each round is
+predicted from the profile made just before it (``--one-profile``: every round from the
+first): this machine's pace moves by tens of percent over minutes, and one profile carries the
+pace of the minutes it was made in. The table reports the single-profile figures too.
 Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to ``--out``.
 
     python benchmarks/plan_validation.py --models demo --duration 20   # ~20 min (3 rounds)
