@@ -287,19 +287,6 @@ def _median(values: list[float]) -> float:
     return v[len(v) // 2]
 
 
-def calibrate_serving(
-    profile: Profile, model: str, transport: str, options: Sequence[str] = (),
-    threads: int | None = None,
-) -> ServingCost:  # fmt: skip
-    """The profile's ServingCost from one segment measured now; ValueError if nothing was
-    measured. ``options`` are the engine options (``key=value``) the workers run with,
-    ``threads`` each worker's engine threads (default: the profile's, the threads its steps
-    were timed with)."""
-    threads = profile.threads if threads is None else threads
-    sample = measure_serving(model, transport, profile.model.sim_token_ids, options, threads)
-    return serving_cost(profile, [sample], transport)
-
-
 def serving_cost(
     profile: Profile, segments: Sequence[ServingSample], transport: str
 ) -> ServingCost:  # fmt: skip
@@ -356,7 +343,9 @@ def serving_cost(
     gaps = [[t[1] - t[0] for t in part if len(t) == OSL] for part in pd]
     handoff_gap = _median_of(gaps, _low) if any(gaps) else 0.0
     predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
-    paces = [[v / _median(part) for v in part] for part in itls if part and _median(part)]
+    # Each request's ITL over its own segment's median: the pace within a stretch.
+    medians = [(part, _median(part)) for part in itls if part]
+    paces = [[v / m for v in part] for part, m in medians if m]
     return ServingCost(
         request_seconds=round(request_part, 6),
         token_seconds=round(router - request_part, 6),
