@@ -30,8 +30,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "cpu_linear.cpp", _HERE / "cpu_forward.cpp")
-HEADERS = (_HERE / "cpu_kernels.h",)
+SOURCES = tuple(
+    _HERE / f for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_forward.cpp")
+)
+HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_simd.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ABI_VERSION = 4
 DISABLE_ENV = "TANDEM_CPU_KERNELS"
