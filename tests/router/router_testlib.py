@@ -23,7 +23,10 @@ def router_config(tokenizer_dir: Path, **overrides: Any) -> RouterConfig:
         model=MODEL,
         model_path=str(tokenizer_dir),
         policy=Policy.PREFIX_AWARE,
-        heartbeat_timeout_s=0.6,
+        # Router and doubles share one event loop: on a loaded 2-core CI machine it can stall past
+        # a sub-second timeout, expire every worker and cut a stream the test expects whole
+        # (CI, stop 24). Tests of expiry itself pass a short timeout.
+        heartbeat_timeout_s=3.0,
         expiry_interval_s=0.05,
         events_stale_after_s=5.0,
         timeouts=Timeouts(connect_s=2.0, read_s=10.0, control_s=2.0),

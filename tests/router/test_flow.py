@@ -69,7 +69,7 @@ async def test_round_robin_policy_spreads(make_cluster: Any, oai: Any) -> None:
 
 
 async def test_silent_worker_leaves_registry(make_cluster: Any, oai: Any) -> None:
-    c = await make_cluster(roles=("prefill", "decode", "decode"))
+    c = await make_cluster(roles=("prefill", "decode", "decode"), heartbeat_timeout_s=0.6)
     gone = c.workers[1]
     gone.behaviour.heartbeat = False
     await wait_for(lambda: not c.state.registry.is_live(gone.engine_id), timeout=3.0,
