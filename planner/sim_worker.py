@@ -95,6 +95,10 @@ class SimWorker:
         # The HTTP side's work on each request sent here, taken from the next step (one GIL).
         self._request_overhead = request_overhead
         self._owed = 0.0
+        # Serving a pull runs beside the engine thread from the pull's end (one GIL): until
+        # ``_serving_until`` a step that starts waits for the GIL; one that starts later has
+        # lost nothing (the work was done while the worker idled).
+        self._serving_until = 0.0
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -102,8 +106,9 @@ class SimWorker:
             conn = fabric.connector(engine_id, lambda: self.wake(POLL_SECONDS / 2))
             if transfer_overhead:
                 # Serving a pull (its side channel and data socket, beside the engine thread
-                # under one GIL) comes after the first token, so it delays later steps only.
-                conn.on_served = lambda: self._owe(transfer_overhead)
+                # under one GIL) comes after the first token, so it delays later steps only,
+                # and only the steps that start while it is still going on.
+                conn.on_served = lambda: self._serve_pull(transfer_overhead)
             if role is Role.PREFILL:
                 self.hooks = PrefillHooks(conn)
             else:
@@ -139,12 +144,14 @@ class SimWorker:
 
     @property
     def owed(self) -> float:
-        """CPU the HTTP side has spent on this worker's requests since its last step, which its
-        next step pays."""
-        return self._owed
+        """What a step starting now would wait for: the CPU the HTTP side has spent on this
+        worker's requests since its last step, and what is left of serving a pull."""
+        return self._owed + max(0.0, self._serving_until - self.loop.now)
 
-    def _owe(self, seconds: float) -> None:
-        self._owed += seconds
+    def _serve_pull(self, seconds: float) -> None:
+        start = max(self.loop.now, self._serving_until)
+        self._serving_until = start + seconds
+        self._cores.burst(start, self._serving_until, 1, self)
 
     def wake(self, delay: float = 0.0) -> None:
         if self.busy:
@@ -176,8 +183,9 @@ class SimWorker:
         rows = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         if self.history is not None:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        serving = self._overhead + self._owed
+        serving = self.owed + self._overhead
         self._owed = 0.0
+        self._serving_until = min(self._serving_until, self.loop.now)
         seconds = self._cores.step(self, self.cost.step_seconds(rows) + serving)
         self.busy = True
         self.busy_until = self.loop.now + seconds

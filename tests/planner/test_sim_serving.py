@@ -8,11 +8,14 @@ from dataclasses import replace
 import pytest
 from sim_profiles import synthetic_profile
 
+from tandem.engine.config import SchedulerConfig
 from tandem.engine.role import Role
 from tandem.engine.sim.profile import ServingCost
 from tandem.planner.cores import shared_seconds
 from tandem.planner.events import EventLoop
+from tandem.planner.sim_kv import KVFabric
 from tandem.planner.sim_router import RouterLoop
+from tandem.planner.sim_worker import SimWorker, WorkerCallbacks
 from tandem.planner.simulator import (
     Deployment,
     MachinePace,
@@ -21,6 +24,7 @@ from tandem.planner.simulator import (
     simulate,
 )
 from tandem.planner.workload import Arrival, Lengths, Workload
+from tandem.prefill.hooks import PrefillHooks
 
 # 10 ms per step + 0.1 ms per token.
 BASE = ServingCost(request_seconds=0.002, token_seconds=0.001, handoff_seconds=0.0)
@@ -127,7 +131,8 @@ def test_each_role_pays_its_own_measured_request_cpu() -> None:
 def test_a_prefill_worker_pays_its_side_of_a_transfer_after_the_first_token() -> None:
     # 1P1D: the prefill worker's CPU per request is 5 ms of handling (the colocated figure) and
     # 3 ms more for serving the decode worker's pull, which comes after its first token: the
-    # step making that token pays 5 ms, the step after the pull 3 ms.
+    # step making that token pays 5 ms; serving the pull delays no step of a worker that idles
+    # through it (a lone request: its only step was over before the pull).
     cost = replace(BASE, worker_request_cpu=0.005, prefill_request_cpu=0.008)
     assert (cost.request_cpu(Role.PREFILL), cost.transfer_cpu(Role.PREFILL)) == pytest.approx(
         (0.005, 0.003)
@@ -141,9 +146,30 @@ def test_a_prefill_worker_pays_its_side_of_a_transfer_after_the_first_token() ->
     assert t.ttft == pytest.approx(b.ttft + 0.005)
     prefill = next(w for w in run.workers if w.role is Role.PREFILL)
     base_prefill = next(w for w in base.workers if w.role is Role.PREFILL)
-    # Its one step paid the handling; the transfer's 3 ms waits for its next step.
     assert prefill.busy_seconds == pytest.approx(base_prefill.busy_seconds + 0.005)
-    assert prefill.owed == pytest.approx(0.003)
+    assert prefill.owed == 0.0
+
+
+def test_serving_a_pull_delays_only_the_steps_that_start_while_it_runs() -> None:
+    # Stop-25 validation run: charging a pull's 3.9 ms to the prefill worker's next step,
+    # however long after, put every light-load 1P1D TTFT ~4 ms high (+28 %, +29 %).
+    loop = EventLoop()
+    prof = synthetic_profile(execute=(0.01, 0, 0, 0, 0, 0, 0), serving=BASE)
+    fabric = KVFabric(loop, lambda n: 0.0, prof.engine.block_bytes)
+    ignore = WorkerCallbacks(lambda *_: None, lambda *_: None, lambda *_: None)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    w = SimWorker(loop, "p", Role.PREFILL, prof.step, config, 64, 16, prof.model.sim_token_ids,
+                  fabric, ignore, transfer_overhead=0.003)  # fmt: skip
+    assert isinstance(w.hooks, PrefillHooks)
+    serve = w.hooks.connector.on_served
+    seen: list[float] = []
+    serve()  # at t = 0: 3 ms of serving ahead
+    loop.at(0.001, lambda: seen.append(w.owed))  # 2 ms of it left
+    loop.at(0.001, serve)  # a second pull queues behind the first: until 6 ms
+    loop.at(0.002, lambda: seen.append(w.owed))
+    loop.at(0.007, lambda: seen.append(w.owed))  # done while idle: nothing owed
+    loop.run()
+    assert seen == pytest.approx([0.002, 0.004, 0.0])
 
 
 def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
