@@ -72,8 +72,8 @@ class SimConnector:
         self.finished: list[LoadResult] = []
         self.aborted: set[str] = set()
         self._published: set[str] = set()
-        # Called as each pull of this worker's blocks completes (the worker charges its side
-        # of the transfer to its next step).
+        # Called as each pull of this worker's blocks completes (the worker serves its side of
+        # the transfer from then on; a step that starts meanwhile waits for the rest).
         self.on_served: Callable[[], None] = lambda: None
 
     def release(self, request_id: str) -> None:

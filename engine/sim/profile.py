@@ -138,7 +138,8 @@ class ServingCost:
 
     def transfer_cpu(self, role: Role) -> float:
         """A prefill worker's CPU per request beyond its request handling: serving the decode
-        worker's pull, taken from its next step once the pull is done (0 for other roles)."""
+        worker's pull after it is done, beside the engine thread: a step starting before that work
+        ends waits for the rest (SimWorker; 0 for other roles)."""
         if role is Role.PREFILL and self.prefill_request_cpu and self.worker_request_cpu:
             return max(0.0, self.prefill_request_cpu - self.worker_request_cpu)
         return 0.0
