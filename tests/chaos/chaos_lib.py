@@ -125,6 +125,32 @@ class Cluster:
         ws = [w for w in self.workers() if w["role"] == role and w["url"] in names]
         return names[max(ws, key=lambda w: w["inflight"])["url"]]
 
+    def freeze_busiest(self, role: str) -> str | None:
+        """Stop (SIGSTOP) every ``role`` worker at once, then resume all but the one the router
+        has the most streams open to and return that one, still stopped; None, all resumed,
+        when the router has none open to any.
+
+        Frozen first, looked at second: a frozen worker writes no more tokens, so streams open
+        to it cannot end before the fault aimed at it lands. Looking first, then acting, took
+        1-2 s on a loaded 2-core machine (the router answers a poll late while it relays a wave),
+        longer than the demo model needs to decode a wave: a decode worker was killed between
+        waves with no stream to move (CI, stop 25). The freeze lasts one poll, well inside the
+        router's heartbeat timeout (3 s) on an idle router.
+        """
+        names = [n for n in self.pids if n.startswith(f"{role}-")]
+        for n in names:
+            self.signal(n, signal.SIGSTOP)
+        keep = None
+        try:
+            inflight = {w["url"]: w["inflight"] for w in self.workers()}
+            top = max(names, key=lambda n: inflight.get(self.urls[n], 0))
+            keep = top if inflight.get(self.urls[top], 0) > 0 else None
+        finally:
+            for n in names:
+                if n != keep:
+                    self.signal(n, signal.SIGCONT)
+        return keep
+
     def worker_urls(self) -> list[str]:
         return [u for name, u in self.urls.items() if name != "router"]
 
@@ -222,10 +248,20 @@ class Outcome:
     elapsed_s: float = 0.0
 
 
-async def run_one(client: httpx.AsyncClient, spec: Spec, deadline_s: float) -> Outcome:
+@dataclass(slots=True)
+class Progress:
+    """Content chunks streamed so far in a run, across its requests (read from another thread:
+    a fault can be timed by what the client has seen, without asking the busy router)."""
+
+    chunks: int = 0
+
+
+async def run_one(
+    client: httpx.AsyncClient, spec: Spec, deadline_s: float, progress: Progress | None = None
+) -> Outcome:
     start = time.monotonic()
     try:
-        work = _request(client, spec, start)
+        work = _request(client, spec, start, progress or Progress())
         if spec.abort_after_s is not None:
             try:
                 return await asyncio.wait_for(work, spec.abort_after_s)
@@ -236,7 +272,9 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, deadline_s: float) -> O
         return Outcome(spec, "hung", elapsed_s=time.monotonic() - start)
 
 
-async def _request(client: httpx.AsyncClient, spec: Spec, start: float) -> Outcome:
+async def _request(
+    client: httpx.AsyncClient, spec: Spec, start: float, progress: Progress
+) -> Outcome:
     path = "/v1/chat/completions" if spec.chat else "/v1/completions"
     out = Outcome(spec, "ok", texts=[""] * spec.n, finish=[None] * spec.n)
     if not spec.stream:
@@ -274,6 +312,7 @@ async def _request(client: httpx.AsyncClient, spec: Spec, start: float) -> Outco
                 piece = (ch.get("delta") or {}).get("content") if spec.chat else ch.get("text")
                 if piece and out.ttft_s is None:
                     out.ttft_s = time.monotonic() - start
+                progress.chunks += 1 if piece else 0
                 out.texts[ch["index"]] += piece or ""
                 out.finish[ch["index"]] = ch.get("finish_reason") or out.finish[ch["index"]]
             chunks += 1
@@ -285,7 +324,11 @@ async def _request(client: httpx.AsyncClient, spec: Spec, start: float) -> Outco
 
 
 async def drive(
-    url: str, specs: list[Spec], concurrency: int, deadline_s: float = 90.0
+    url: str,
+    specs: list[Spec],
+    concurrency: int,
+    deadline_s: float = 90.0,
+    progress: Progress | None = None,
 ) -> list[Outcome]:
     """Run ``specs`` with at most ``concurrency`` in flight; every outcome is classified."""
     sem = asyncio.Semaphore(concurrency)
@@ -294,15 +337,19 @@ async def drive(
 
         async def one(spec: Spec) -> Outcome:
             async with sem:
-                return await run_one(client, spec, deadline_s)
+                return await run_one(client, spec, deadline_s, progress)
 
         return list(await asyncio.gather(*(one(s) for s in specs)))
 
 
 def run_load(
-    url: str, specs: list[Spec], concurrency: int, deadline_s: float = 90.0
+    url: str,
+    specs: list[Spec],
+    concurrency: int,
+    deadline_s: float = 90.0,
+    progress: Progress | None = None,
 ) -> list[Outcome]:
-    return asyncio.run(drive(url, specs, concurrency, deadline_s))
+    return asyncio.run(drive(url, specs, concurrency, deadline_s, progress))
 
 
 def reference_answers(url: str, words: list[str]) -> dict[str, str]:
