@@ -125,10 +125,10 @@ class Cluster:
         ws = [w for w in self.workers() if w["role"] == role and w["url"] in names]
         return names[max(ws, key=lambda w: w["inflight"])["url"]]
 
-    def freeze_busiest(self, role: str) -> str | None:
+    def freeze_busiest(self, role: str, timeout: float = 30) -> str:
         """Stop (SIGSTOP) every ``role`` worker at once, then resume all but the one the router
-        has the most streams open to and return that one, still stopped; None, all resumed,
-        when the router has none open to any.
+        has the most streams open to and return that one, still stopped (the fault's to end);
+        while the router has none open to any, all resume and it tries again.
 
         Frozen first, looked at second: a frozen worker writes no more tokens, so streams open
         to it cannot end before the fault aimed at it lands. Looking first, then acting, took
@@ -138,18 +138,23 @@ class Cluster:
         router's heartbeat timeout (3 s) on an idle router.
         """
         names = [n for n in self.pids if n.startswith(f"{role}-")]
-        for n in names:
-            self.signal(n, signal.SIGSTOP)
-        keep = None
-        try:
-            inflight = {w["url"]: w["inflight"] for w in self.workers()}
-            top = max(names, key=lambda n: inflight.get(self.urls[n], 0))
-            keep = top if inflight.get(self.urls[top], 0) > 0 else None
-        finally:
+        kept: list[str] = []
+
+        def frozen() -> bool:
             for n in names:
-                if n != keep:
-                    self.signal(n, signal.SIGCONT)
-        return keep
+                self.signal(n, signal.SIGSTOP)
+            try:
+                inflight = {w["url"]: w["inflight"] for w in self.workers()}
+                top = max(names, key=lambda n: inflight.get(self.urls[n], 0))
+                kept[:] = [top] if inflight.get(self.urls[top], 0) > 0 else []
+            finally:
+                for n in names:
+                    if n not in kept:
+                        self.signal(n, signal.SIGCONT)
+            return bool(kept)
+
+        wait_for(frozen, timeout, f"a {role} worker with streams", interval=0.02)
+        return kept[0]
 
     def worker_urls(self) -> list[str]:
         return [u for name, u in self.urls.items() if name != "router"]
@@ -257,11 +262,11 @@ class Progress:
 
 
 async def run_one(
-    client: httpx.AsyncClient, spec: Spec, deadline_s: float, progress: Progress | None = None
+    client: httpx.AsyncClient, spec: Spec, deadline_s: float, progress: Progress
 ) -> Outcome:
     start = time.monotonic()
     try:
-        work = _request(client, spec, start, progress or Progress())
+        work = _request(client, spec, start, progress)
         if spec.abort_after_s is not None:
             try:
                 return await asyncio.wait_for(work, spec.abort_after_s)
@@ -310,9 +315,10 @@ async def _request(
                 out.completion_tokens = obj["usage"]["completion_tokens"]
             for ch in obj.get("choices") or []:
                 piece = (ch.get("delta") or {}).get("content") if spec.chat else ch.get("text")
-                if piece and out.ttft_s is None:
-                    out.ttft_s = time.monotonic() - start
-                progress.chunks += 1 if piece else 0
+                if piece:
+                    progress.chunks += 1
+                    if out.ttft_s is None:
+                        out.ttft_s = time.monotonic() - start
                 out.texts[ch["index"]] += piece or ""
                 out.finish[ch["index"]] = ch.get("finish_reason") or out.finish[ch["index"]]
             chunks += 1
@@ -331,6 +337,7 @@ async def drive(
     progress: Progress | None = None,
 ) -> list[Outcome]:
     """Run ``specs`` with at most ``concurrency`` in flight; every outcome is classified."""
+    progress = progress or Progress()
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:

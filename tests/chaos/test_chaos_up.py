@@ -117,25 +117,12 @@ def fault_under_load(up: Cluster, specs: list[Spec], fault) -> list[Outcome]:  #
     return outcomes
 
 
-def freeze_decode(up: Cluster) -> str:
-    """The decode worker with the most streams open to it, stopped (SIGSTOP) by the caller's
-    fault; the other decode worker runs on."""
-    frozen: list[str] = []
-
-    def found() -> bool:
-        frozen[:] = [v] if (v := up.freeze_busiest("decode")) else []
-        return bool(frozen)
-
-    wait_for(found, 30, "a decode worker with streams", interval=0.02)
-    return frozen[0]
-
-
 def test_stopped_decode_past_heartbeat_loses_no_stream(up: Cluster) -> None:
     specs = long_specs(INFLIGHT, seed=21, max_tokens=200)
     reference = run_load(up.url, specs, INFLIGHT)
 
     def stop_decode() -> None:
-        victim = freeze_decode(up)  # streams are open to it
+        victim = up.freeze_busiest("decode")  # streams are open to it
         url = up.urls[victim]
         try:
             wait_for(lambda: all(w["url"] != url for w in up.workers()), 15,
@@ -163,7 +150,7 @@ def test_killed_worker_loses_no_stream_and_restarts(up: Cluster, role: str) -> N
     def kill() -> None:
         # A decode worker dies with streams open to it. A prefill sub-request lasts
         # milliseconds (a poll rarely sees one): the one prefill worker dies at once, mid-load.
-        killed.append(freeze_decode(up) if role == "decode" else up.busiest(role))
+        killed.append(up.freeze_busiest(role) if role == "decode" else up.busiest(role))
         up.signal(killed[0], signal.SIGKILL)
 
     outcomes = fault_under_load(up, specs, kill)
