@@ -14,6 +14,8 @@
 2. Engine-thread overhead at --overhead-seqs decoding sequences: the median per step of
    everything `Engine.step()` does besides the model, the logits and the sampler, i.e.
    scheduling, input preparation and output processing (Scheduler.update and the outputs).
+   A steady step's outputs are made by whoever reads them (engine/outputs.py StepOutputs): the
+   time to read them is reported apart (``reader_makes_outputs_ms``), off the engine thread.
 """
 
 from __future__ import annotations
@@ -146,8 +148,13 @@ def engine_overhead(path: str, num_seqs: int, steps: int) -> dict[str, float]:
     for _ in range(steps):
         watch.spent.clear()
         t0 = clock()
-        engine.step()
+        outs = engine.step()
         total = clock() - t0
+        # A steady step's EngineOutputs are made by their reader (StepOutputs): in a worker the
+        # event loop, while the engine thread runs the next forward pass. Timed apart.
+        t0 = clock()
+        list(outs)
+        read = clock() - t0
         s = watch.spent
         rows.append({
             "step": total, "schedule": s["schedule"], "prepare": s["prepare"],
@@ -155,6 +162,7 @@ def engine_overhead(path: str, num_seqs: int, steps: int) -> dict[str, float]:
             "engine_thread": total - s["model"] - s["logits"] - s.get("sampler", 0.0)
             - s.get("greedy", 0.0),
             "detokenize": s.get("detokenize", 0.0),
+            "read": read,
         })  # fmt: skip
     watch.restore()
     engine.abort([f"s{i}" for i in range(num_seqs)])
@@ -167,6 +175,7 @@ def engine_overhead(path: str, num_seqs: int, steps: int) -> dict[str, float]:
         "engine_thread_ms": med["engine_thread"],
         "of_which_detokenize_ms": med["detokenize"],
         "engine_thread_without_detokenize_ms": med["engine_thread"] - med["detokenize"],
+        "reader_makes_outputs_ms": med["read"],
     }
 
 

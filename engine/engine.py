@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from operator import attrgetter
+from collections.abc import Sequence
+from operator import attrgetter, itemgetter
 
 import torch
 
@@ -23,6 +24,7 @@ from tandem.engine.outputs import (
     EngineStats,
     HostTierStats,
     SchedulerOutput,
+    StepOutputs,
     request_outputs,
 )
 from tandem.engine.recovery import (
@@ -215,6 +217,11 @@ class Engine:
         handed_off = [r for r in reqs if r.request_id in pinned and not self._tracked(r)]
         ids = [r.request_id for r in reqs if r not in handed_off]
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        # Ended in this step before its output failed: no queue holds it (its blocks are
+        # free), but its stream still owes the final output.
+        gone = set(map(id, done))
+        done += [r for r in reqs if r.is_finished and id(r) not in gone and r not in handed_off
+                 and self._tracked(r)]  # fmt: skip
         for req in done:
             req.status = RequestStatus.FINISHED_ERROR  # a pinned culprit too
             req.error = message
@@ -242,10 +249,11 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     # ---- the step -----------------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> Sequence[EngineOutput]:
         """One step. A phase that raises is contained (``recovery.contain``): the requests it is
         attributed to end with an error and the engine keeps serving; EngineFailed when its
-        state cannot be restored."""
+        state cannot be restored. A steady decode step's outputs are a ``StepOutputs`` (made
+        when read); the rest a list."""
         outputs: list[EngineOutput] = []
         ran: SchedulerOutput | None = None  # None: a failure is not attributable
         try:
@@ -273,6 +281,12 @@ class Engine:
             return outputs + contain(self, exc, victims)
         self._failed_steps = 0
         if changed:
+            if not outputs and max(map(_status, changed)) < RequestStatus.FINISHED_STOPPED:
+                # The common step: nothing ended, so nothing retires; the outputs are made by
+                # whoever reads them (StepOutputs), from a snapshot of the new tokens.
+                self.num_generation_tokens += len(changed)
+                tokens = list(map(_last, map(_output_ids, changed)))
+                return StepOutputs(changed, tokens, result.logprobs)
             outputs += self._step_outputs(changed, result.logprobs)
         return outputs
 
@@ -385,3 +399,6 @@ class Engine:
 
 
 _finished = attrgetter("finished")
+_status = attrgetter("status")
+_output_ids = attrgetter("output_token_ids")
+_last = itemgetter(-1)

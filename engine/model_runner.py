@@ -33,7 +33,6 @@ class StepInputs:
     meta: AttentionMetadata
     # Row of the packed hidden states whose logits each sampled request needs.
     sample_rows: torch.Tensor
-    sample_request_ids: list[str]
     sample_requests: list[Request]
     # Every packed row is sampled, in order (a decode-only step): no gather of the rows needed.
     all_rows_sampled: bool = False
@@ -138,7 +137,6 @@ class ModelRunner:
             positions=dev(torch.from_numpy(pos)),
             meta=meta,
             sample_rows=dev(torch.from_numpy(sample_rows)),
-            sample_request_ids=list(map(_request_id, sample_reqs)),
             sample_requests=sample_reqs,
             all_rows_sampled=len(sample_rows) == len(ids),
             # Requests often share one SamplingParams: each distinct one is checked once.
@@ -161,7 +159,7 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend
             )
         result = ModelRunnerOutput()
-        if not inputs.sample_request_ids:
+        if not inputs.sample_requests:
             return result
         logits = self.model.compute_logits(
             hidden if inputs.all_rows_sampled else hidden[inputs.sample_rows]
@@ -170,7 +168,7 @@ class ModelRunner:
         if inputs.argmax_only:
             # All greedy without penalties or logprobs (the common batch): no SamplingRows.
             tokens = self.sampler.greedy(logits)
-            result.sampled_token_ids = dict(zip(inputs.sample_request_ids, tokens, strict=True))
+            result.sampled_token_ids = tokens
             return result
         rows = [
             SamplingRow(
@@ -182,11 +180,8 @@ class ModelRunner:
             for r in reqs
         ]
         sampled = self.sampler(logits, rows)
-        for rid, tok, lp in zip(
-            inputs.sample_request_ids, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            result.sampled_token_ids[rid] = tok
-            result.logprobs[rid] = lp
+        result.sampled_token_ids = sampled.token_ids
+        result.logprobs = dict(zip(map(_request_id, reqs), sampled.logprobs, strict=True))
         return result
 
 

@@ -302,15 +302,17 @@ class Scheduler:
         finished: list[Request] = []
         kv = self.kv
         lagging = kv.lagging  # the set itself: its contents may change in the loop
-        sampled = result.sampled_token_ids
+        sampled = iter(result.sampled_token_ids)  # one per sampled row, in this order
         running_status = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
         bs = kv.block_size
         try:
             for s in out.scheduled:
                 req = s.request
-                if req.status is not running_status:
-                    continue  # aborted while the step ran
+                if req.status is not running_status:  # ended after schedule() (a role hook)
+                    if s.sample:
+                        next(sampled)  # its token is dropped
+                    continue
                 num_new = s.num_new_tokens
                 computed = req.num_computed_tokens + num_new
                 req.num_computed_tokens = computed
@@ -321,7 +323,7 @@ class Scheduler:
                 if not s.sample:
                     continue
                 req.prompt_done_once = True
-                token = sampled[req.request_id]
+                token = next(sampled)
                 req.append_output_token(token)
                 add(req)
                 # The common token ends nothing: only a possible stop takes the full check

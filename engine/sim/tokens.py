@@ -31,7 +31,7 @@ def sample(out: SchedulerOutput, choices: Sequence[int]) -> ModelRunnerOutput:
     for s in out.scheduled:
         if s.sample:
             req = s.request
-            result.sampled_token_ids[req.request_id] = next_token(req.all_token_ids, choices)
+            result.sampled_token_ids.append(next_token(req.all_token_ids, choices))
             result.logprobs[req.request_id] = None
     return result
 

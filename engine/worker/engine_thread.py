@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -118,13 +118,13 @@ class EngineThread:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
 
-    def _hand_over(self, outputs: list[EngineOutput]) -> None:
+    def _hand_over(self, outputs: Sequence[EngineOutput]) -> None:
         if self._post is None:
             self._deliver(outputs)
         else:
             self._post(self._deliver, outputs)
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, outputs: Sequence[EngineOutput]) -> None:
         """Each output to its group's sink (where ``post`` runs this: the loop, if given)."""
         sinks = self._sinks
         for out in outputs:

@@ -157,7 +157,7 @@ def test_local_requests_pass_through_untouched() -> None:
     admit(sched, hooks, req)
     out = sched.schedule()
     assert out.loads == [] and hooks.on_scheduled(sched, out) == []
-    sched.update(out, ModelRunnerOutput(sampled_token_ids={"l": 3}))
+    sched.update(out, ModelRunnerOutput(sampled_token_ids=[3]))
     hooks.on_abort(req)
     assert conn.held == {} and conn.started == [] and conn.aborted == []
 

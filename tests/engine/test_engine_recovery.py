@@ -83,21 +83,32 @@ def test_a_failed_model_run_fails_its_batch_and_the_rest_continue(monkeypatch) -
     assert engine.pool.num_free_blocks == NUM_BLOCKS
 
 
-def test_an_output_failure_fails_that_request_alone(engine: Engine, monkeypatch) -> None:
+@pytest.mark.parametrize("a_ends", [True, False], ids=["failing-one-ends", "another-ends"])
+def test_an_output_failure_fails_that_request_alone(
+    engine: Engine, monkeypatch, a_ends: bool
+) -> None:
+    """The engine thread builds outputs in a step where a request ends (a step where all go on
+    returns a StepOutputs, made by its reader from fields fixed while a request runs): a
+    failure there is found request by request, whether the failing request ended in that step
+    (its blocks already free) or goes on beside one that ended."""
     a, b = [256, 5, 6, 7], [256, 8, 9, 10, 11]
     expected_b = reference(engine, b)
     real = engine_module.request_outputs
 
     def bad(reqs, logprobs, new_token=True):  # noqa: ANN001, ANN202
-        # The step's outputs are built in one pass: a failure there is found request by request.
         if new_token and any(r.request_id == "a" and r.num_output_tokens == 3 for r in reqs):
             raise ValueError("injected output failure")
         return real(reqs, logprobs, new_token)
 
     monkeypatch.setattr(engine_module, "request_outputs", bad)
-    engine.add_request("a", a, params())
+    # The step of a's third token builds outputs: a ends there, or c does.
+    engine.add_request("a", a, params(3 if a_ends else 12))
     engine.add_request("b", b, params())
+    if not a_ends:
+        engine.add_request("c", [256, 1, 2], params(3))
     outs = run(engine)
+    if not a_ends:
+        assert outs["c"][-1].finish_reason == "length" and len(tokens(outs["c"])) == 3
     assert outs["a"][-1].finish_reason == "error" and len(tokens(outs["a"])) == 2
     # The request batched with it lost no token.
     assert tokens(outs["b"]) == expected_b

@@ -32,7 +32,7 @@ def scheduler(num_blocks: int = 32, **cfg: int) -> Scheduler:
 
 def step(s: Scheduler) -> list[tuple[str, int]]:
     out = s.schedule()
-    sampled = {x.request.request_id: 7 for x in out.scheduled if x.sample}
+    sampled = [7 for x in out.scheduled if x.sample]
     s.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
     return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
 
@@ -134,7 +134,7 @@ def test_num_prompt_tokens_counts_the_prompt_part_of_each_chunk() -> None:
     for _ in range(4):
         out = s.schedule()
         counts.append(out.num_prompt_tokens)
-        sampled = {x.request.request_id: 7 for x in out.scheduled if x.sample}
+        sampled = [7 for x in out.scheduled if x.sample]
         s.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
     # a: 3, then decodes; b: chunks of 3, 5 and 2, then decodes.
     assert counts == [6, 5, 2, 0]

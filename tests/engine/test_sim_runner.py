@@ -55,10 +55,10 @@ def test_runner_waits_the_profiled_time_and_emits_the_rule_tokens() -> None:
     result = runner.execute(out)
     # execute = 0.004 + 73 tokens x 1e-4 + decode context (19 + 1) x 1e-6
     assert clock.slept == [pytest.approx(0.004 + 73e-4 + 20e-6)]
-    assert result.sampled_token_ids == {
-        "a": next_token(a.all_token_ids, DEMO_TOKENS),
-        "b": next_token(b.all_token_ids, DEMO_TOKENS),
-    }
+    assert result.sampled_token_ids == [  # the sampled rows' order: a, b (c is not sampled)
+        next_token(a.all_token_ids, DEMO_TOKENS),
+        next_token(b.all_token_ids, DEMO_TOKENS),
+    ]
     assert result.logprobs == {"a": None, "b": None}
     assert runner.num_steps == 1
 

@@ -36,7 +36,7 @@ def remote_decode_request(rid: str, n: int) -> Request:
 def prefill(sched: Scheduler, req: Request, token: int = 42) -> None:
     sched.add_request(req)
     out = sched.schedule()
-    assert sched.update(out, ModelRunnerOutput(sampled_token_ids={req.request_id: token})) == [req]
+    assert sched.update(out, ModelRunnerOutput(sampled_token_ids=[token])) == [req]
 
 
 def test_the_prompt_hands_off_with_its_blocks_pinned_and_published() -> None:
