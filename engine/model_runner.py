@@ -21,6 +21,7 @@ from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow, argmax_only
+from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tandem.engine.cpu_forward import CpuForward
@@ -38,6 +39,48 @@ class StepInputs:
     all_rows_sampled: bool = False
     # Every sampled request is greedy without penalties or logprobs (sampler.argmax_only).
     argmax_only: bool = False
+
+
+@dataclass(slots=True, frozen=True, eq=False)  # compared by identity: it holds arrays
+class DecodeRows:
+    """What a decode-only step's rows determine besides each request's progress, kept by the
+    ModelRunner while the scheduler hands over the same rows: it reuses each running request's
+    decode row step after step, so a steady batch is the same list of objects (one C-level
+    comparison). Assumes, as the scheduler and sampler do, that a request's SamplingParams do
+    not change while it runs."""
+
+    rows: list[ScheduledRequest]
+    requests: list[Request]
+    index: np.ndarray  # arange(num_seqs), int64: each row's block-table row
+    sample_rows: torch.Tensor  # the same, as the tensor of rows whose logits are sampled
+    query_start_loc: torch.Tensor  # arange(num_seqs + 1), int32
+    argmax_only: bool
+
+    @classmethod
+    def of(cls, sched: list[ScheduledRequest]) -> DecodeRows | None:
+        """The rows' DecodeRows if every row is one sampled token (a decode-only step)."""
+        if not sched or not all(map(_decode_row, sched)):
+            return None
+        reqs = list(map(_request, sched))
+        index = np.arange(len(sched), dtype=np.int64)
+        return cls(
+            rows=list(sched),
+            requests=reqs,
+            index=index,
+            sample_rows=torch.from_numpy(index),
+            query_start_loc=torch.arange(len(sched) + 1, dtype=torch.int32),
+            argmax_only=argmax_only(_distinct_params(reqs)),
+        )
+
+
+def _decode_row(row: ScheduledRequest) -> bool:
+    return row.num_new_tokens == 1 and row.sample
+
+
+def _distinct_params(reqs: list[Request]) -> list[SamplingParams]:
+    """Requests often share one SamplingParams: each distinct one is checked once."""
+    params = list(map(_params, reqs))
+    return list(dict(zip(map(id, params), params, strict=True)).values())
 
 
 # Field readers for prepare()'s C-level maps over the step's rows.
@@ -77,55 +120,83 @@ class ModelRunner:
         # CPU, float32: the whole step in one C call (engine/cpu_forward.py), set by the builder.
         self.cpu_forward: CpuForward | None = None
         self._on_cpu = device.type == "cpu"
+        self._decode_rows: DecodeRows | None = None
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Build the packed inputs for one step (pure bookkeeping on the host).
 
         A decode-only step (one token per row, the steady state) reads each request's fields
-        with C-level ``map``s (no Python frame per request) and does the rest in numpy; steps
-        with prefill chunks go row by row.
+        with C-level ``map``s (no Python frame per request) and does the rest in numpy; while
+        the scheduler hands over the same rows as last step, what the rows alone determine is
+        reused (``DecodeRows``). Steps with prefill chunks go row by row.
         """
-        bs = self.layout.block_size
         sched = out.scheduled
-        num_seqs = len(sched)
+        rows = self._decode_rows
+        if rows is None or sched != rows.rows:  # C-level: the same row objects, same order
+            rows = DecodeRows.of(sched)
+            self._decode_rows = rows
+        if rows is not None:
+            return self._decode_inputs(rows)
+        return self._mixed_inputs(sched)
+
+    def _decode_inputs(self, rows: DecodeRows) -> StepInputs:
+        bs = self.layout.block_size
+        reqs = rows.requests
+        num_seqs = len(reqs)
+        starts = list(map(_computed, reqs))
+        tables = list(map(_block_ids, reqs))
+        block_tables = self.block_tables.build(tables, max(map(len, tables)))
+        ids = np.array(list(map(getitem, map(_all_tokens, reqs), starts)), dtype=np.int64)
+        pos = np.array(starts, dtype=np.int64)
+        blk, off = np.divmod(pos, bs)
+        slots = block_tables[rows.index, blk].astype(np.int64) * bs + off
+        context = pos.astype(np.int32)
+        slens = (pos + 1).tolist()
+        dev = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=dev(torch.from_numpy(slots)),
+            query_start_loc=dev(rows.query_start_loc),
+            seq_lens=dev(torch.from_numpy(context + 1)),
+            context_lens=dev(torch.from_numpy(context)),
+            block_tables=dev(torch.from_numpy(block_tables)),
+            max_query_len=1,
+            max_seq_len=max(slens),
+            query_lens_cpu=[1] * num_seqs,
+            seq_lens_cpu=slens,
+        )
+        return StepInputs(
+            input_ids=dev(torch.from_numpy(ids)),
+            positions=dev(torch.from_numpy(pos)),
+            meta=meta,
+            sample_rows=dev(rows.sample_rows),
+            sample_requests=reqs,
+            all_rows_sampled=True,
+            argmax_only=rows.argmax_only,
+        )
+
+    def _mixed_inputs(self, sched: list[ScheduledRequest]) -> StepInputs:
+        bs = self.layout.block_size
         reqs = list(map(_request, sched))
         qlens = list(map(_num_new, sched))
         starts = list(map(_computed, reqs))
         tables = list(map(_block_ids, reqs))
         block_tables = self.block_tables.build(tables, max(map(len, tables)))
         flags = list(map(_sample, sched))
-        all_sampled = all(flags)
-        sample_seqs = range(num_seqs) if all_sampled else list(compress(range(num_seqs), flags))
-        if num_seqs == sum(qlens):
-            ids = np.array(list(map(getitem, map(_all_tokens, reqs), starts)), dtype=np.int64)
-            pos = np.array(starts, dtype=np.int64)
-            blk, off = np.divmod(pos, bs)
-            rows = np.arange(num_seqs, dtype=np.int64)
-            slots = block_tables[rows, blk].astype(np.int64) * bs + off
-            sample_rows = rows if all_sampled else rows[sample_seqs]
-            context = pos.astype(np.int32)
-            seq_lens = torch.from_numpy(context + 1)
-            context_lens = torch.from_numpy(context)
-            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
-            slens = (pos + 1).tolist()
-        else:
-            id_list, pos_list, slot_list, row_list = _packed_rows(sched, bs)
-            ids, pos = np.array(id_list, dtype=np.int64), np.array(pos_list, dtype=np.int64)
-            slots, sample_rows = np.array(slot_list, dtype=np.int64), np.array(row_list, np.int64)
-            slens = [c + n for c, n in zip(starts, qlens, strict=True)]
-            seq_lens = torch.tensor(slens, dtype=torch.int32)
-            query_lens = torch.tensor(qlens, dtype=torch.int32)
-            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-            torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-            context_lens = seq_lens - query_lens
-        sample_reqs = reqs if all_sampled else [reqs[i] for i in sample_seqs]
-        params = list(map(_params, sample_reqs))
+        sample_reqs = list(compress(reqs, flags))
+        id_list, pos_list, slot_list, row_list = _packed_rows(sched, bs)
+        ids, pos = np.array(id_list, dtype=np.int64), np.array(pos_list, dtype=np.int64)
+        slots, sample_rows = np.array(slot_list, dtype=np.int64), np.array(row_list, np.int64)
+        slens = [c + n for c, n in zip(starts, qlens, strict=True)]
+        seq_lens = torch.tensor(slens, dtype=torch.int32)
+        query_lens = torch.tensor(qlens, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(sched) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         dev = self._to_device
         meta = AttentionMetadata(
             slot_mapping=dev(torch.from_numpy(slots)),
             query_start_loc=dev(query_start_loc),
             seq_lens=dev(seq_lens),
-            context_lens=dev(context_lens),
+            context_lens=dev(seq_lens - query_lens),
             block_tables=dev(torch.from_numpy(block_tables)),
             max_query_len=max(qlens),
             max_seq_len=max(slens),
@@ -139,8 +210,7 @@ class ModelRunner:
             sample_rows=dev(torch.from_numpy(sample_rows)),
             sample_requests=sample_reqs,
             all_rows_sampled=len(sample_rows) == len(ids),
-            # Requests often share one SamplingParams: each distinct one is checked once.
-            argmax_only=argmax_only(list(dict(zip(map(id, params), params, strict=True)).values())),
+            argmax_only=argmax_only(_distinct_params(sample_reqs)),
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
