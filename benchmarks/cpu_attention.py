@@ -65,7 +65,7 @@ def main() -> None:
     table = torch.zeros(a.seqs, max(blocks), dtype=torch.int32)
     used = 0
     for i, nb in enumerate(blocks):
-        table[i, :nb] = torch.arange(nb) if a.hot else torch.tensor(order[used:used + nb])
+        table[i, :nb] = torch.arange(nb) if a.hot else torch.tensor(order[used : used + nb])
         used += nb
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(a.seqs, HEADS, HEAD_DIM)
