@@ -265,3 +265,40 @@ def test_a_burst_beside_a_running_step_lengthens_it_by_its_share() -> None:
     assert after_burst(2, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
     # No shared cores (an accelerator): nothing changes.
     assert after_burst(None, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
+
+
+def test_tokens_of_one_step_share_the_routers_and_the_clients_burst_cpu() -> None:
+    # Four 3-token requests 1 us apart on one colocated worker: the first is placed alone, so
+    # the steps stream 1, 4, 4 and 3 tokens: 12 tokens in 4 bursts. Per token 1 ms on the
+    # router and 0.5 ms on the client: 12 and 6 ms; per burst 4 ms and 2 ms: 16 and 8 ms.
+    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(3), num_requests=4,
+                 arrival=Arrival.CONSTANT)  # fmt: skip
+    opts = SimOptions(shared_cores=2, variability=False, client_shares_cores=True,
+                      record_history=True)  # fmt: skip
+
+    def cpu(**serving: float) -> tuple[float, float]:
+        sim = run_simulation(replace(PROFILE, serving=replace(BASE, **serving)), w,
+                             Deployment(0, 1), opts)  # fmt: skip
+        assert sim.result.completed == 4 and sim.router.client is not None
+        assert [len(rows) for rows in sim.workers[0].history or []] == [1, 4, 4, 3]
+        return sim.router.loops[0].busy_seconds, sim.router.client.busy_seconds
+
+    assert cpu(router_token_cpu=0.001, client_token_cpu=0.0005) == pytest.approx((0.012, 0.006))
+    assert cpu(router_burst_cpu=0.004, client_burst_cpu=0.002) == pytest.approx((0.016, 0.008))
+    # Both: n x token + burst for each step of n tokens.
+    assert cpu(router_token_cpu=0.001, router_burst_cpu=0.004) == pytest.approx((0.028, 0.0))
+
+
+def test_a_steps_streaming_thread_pays_its_burst_once() -> None:
+    # The same four requests: the last step streams 3 tokens, 3 x 1 ms + 3 ms after it ends.
+    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(3), num_requests=4,
+                 arrival=Arrival.CONSTANT)  # fmt: skip
+    serving = replace(BASE, row_seconds=0.001, row_burst_seconds=0.003)
+    sim = run_simulation(replace(PROFILE, serving=serving), w, Deployment(0, 1),
+                         SimOptions(variability=False, record_history=True))  # fmt: skip
+    worker = sim.workers[0]
+    assert [len(rows) for rows in worker.history or []] == [1, 4, 4, 3]
+    # The last step ended one token latency before the last token reached the client; the
+    # steps take 10+ ms, so no step's streaming queued behind the one before.
+    last_step_end = max(t.last_token or 0.0 for t in sim.result.traces) - BASE.token_seconds
+    assert worker.shell_busy_until == pytest.approx(last_step_end + 0.006)
