@@ -227,7 +227,7 @@ class SimRouter:
         """Prefill finished: its first token streams to the client, its KV goes to decode."""
         self._inflight[worker.engine_id] -= 1
         rid = self._owner.pop(req.request_id)
-        self._token(rid, req, worker.burst, final=False, handoff=True)
+        self._token(rid, req, final=False, handoff=True)
         d, wr = self._pending_decode.pop(req.request_id)
         params = KVTransferParams.from_dict(wire)
 
@@ -249,14 +249,11 @@ class SimRouter:
             del self._owner[req.request_id]
             self._pending_decode.pop(req.request_id, None)
         if new_token:
-            self._token(rid, req, worker.burst, final=req.is_finished)
+            self._token(rid, req, final=req.is_finished)
         elif req.is_finished:
             self._finish(rid)
 
-    def _token(self, rid: str, req: Request, burst: int, final: bool, handoff: bool = False
-               ) -> None:  # fmt: skip
-        """One token of ``rid`` from a step that streamed ``burst`` tokens: through the
-        router's loop (its CPU per token shrinks with the burst) to the client."""
+    def _token(self, rid: str, req: Request, final: bool, handoff: bool = False) -> None:
         trace = self._traces[rid]
         if trace.num_tokens == 0:
             trace.num_cached_tokens = max(req.num_cached_tokens, 0)
@@ -275,12 +272,12 @@ class SimRouter:
             trace.last_token = now
             trace.num_tokens += 1
             if self.client is not None:
-                self.client.spend(self.serving.client_token(burst))
+                self.client.spend(self.serving.client_token_cpu)
             if final:
                 self._finish(rid)
 
         sv = self.serving
-        self._loop_of[rid].serve(sv.router_token(burst), sv.token_seconds, deliver)
+        self._loop_of[rid].serve(sv.router_token_cpu, sv.token_seconds, deliver)
 
     def _finish(self, rid: str) -> None:
         self._loop_of.pop(rid, None)

@@ -71,7 +71,6 @@ class SimWorker:
         row_overhead: float = 0.0,
         request_overhead: float = 0.0,
         transfer_overhead: float = 0.0,
-        row_burst: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -89,10 +88,6 @@ class SimWorker:
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
-        self._row_burst = row_burst  # once per step with tokens (ServingCost.row_burst_seconds)
-        # Tokens the last finished step streamed together: the router's and the client's CPU
-        # per token depends on it (ServingCost.router_token).
-        self.burst = 1
         # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
         # with the next one where a core is free: CPU the shared-core slowdown counts while
         # ``shell_busy_until`` is ahead, not time added to the step.
@@ -213,8 +208,7 @@ class SimWorker:
         self._track_usage()
         now = self.loop.now
         start = max(now, self.shell_busy_until)
-        self.burst = len(changed)
-        end = start + (self._row_overhead * len(changed) + self._row_burst if changed else 0.0)
+        end = start + self._row_overhead * len(changed)
         self._cores.burst(start, end, 1, self)
         self.shell_busy_until = end
         for req in changed:

@@ -14,11 +14,7 @@ the steps themselves. Measured, with the profile's step model subtracted:
   request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
   and its half of the KV transfer); and this process's own CPU, the client's, per request and
   per token (``client_request_cpu``, ``client_token_cpu``), for runs whose load generator shares
-  the machine; then the same over waves of ``WAVE`` requests sent together, whose tokens come
-  ``WAVE`` to a step: each process's CPU per token splits into a part per token and a part per
-  burst (a step's tokens, streamed in one pass of the worker's loop and read in one wake-up of
-  the router's and the client's). Lone streams alone made the router look like the bottleneck
-  at 8 streams (8 x 0.26 ms a step, where the real step took 1.6 ms in all);
+  the machine;
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
   token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
   thread, so its rows are off the step's path); the first token minus the predicted prefill
@@ -38,8 +34,7 @@ step grid, ``CPU_REQUESTS`` requests per phase split between them) and ``serving
 them: CPU as a mean, each latency as the median of the segments' own. A shared machine's pace
 moves in steps lasting minutes: one profile's first-token share came out at 2.8 ms where the
 profiles before and after it, of the same code, gave 5.4-6.5 ms. With three segments one such
-stretch no longer sets the profile. Last, ``serving_fit.fit_serving`` moves the latencies so
-the simulator, run in these measurements' own conditions, gives them back.
+stretch no longer sets the profile.
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -67,7 +61,6 @@ from tandem.up import free_port
 from tandem.up_config import ROUTER
 
 ISL, OSL = 32, 32
-WAVE = 8  # concurrent requests of a wave: tokens that come together cost less CPU each
 CPU_REQUESTS = 100  # per phase: CPU time to split per request and per token; stable quantiles
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
@@ -201,34 +194,6 @@ def _up(model: str, prefill: int, transport: str, options: Sequence[str], thread
     return LocalUp(args, prefill + 1, log_dir, f"up-{prefill}")
 
 
-def _waves(up: LocalUp, model: str, prompt: Callable[[], list[int]], requests: int,
-           max_tokens: int) -> int:  # fmt: skip
-    """``requests`` (rounded down to whole waves) sent WAVE at a time, each wave once the last
-    has finished; returns how many were sent. One client per concurrent stream."""
-    waves = max(1, requests // WAVE)
-    clients = [httpx.Client(timeout=120) for _ in range(WAVE)]
-    try:
-        with ThreadPoolExecutor(WAVE) as pool:
-            for _ in range(waves):
-                prompts = [prompt() for _ in range(WAVE)]
-                list(pool.map(lambda c, p: _stream(c, up.url, model, p, max_tokens),
-                              clients, prompts))  # fmt: skip
-    finally:
-        for c in clients:
-            c.close()
-    return waves * WAVE
-
-
-def _split(lone: float, wave: float) -> tuple[float, float]:
-    """(per token, per burst) from the CPU per token of a lone stream and of WAVE streams
-    together, whose tokens come WAVE to a burst: lone = token + burst, wave = token + burst /
-    WAVE. Without a wave measurement every token pays the lone cost."""
-    if wave <= 0.0:
-        return lone, 0.0
-    burst = min(lone, max(0.0, lone - wave) * WAVE / (WAVE - 1))
-    return lone - burst, burst
-
-
 def _low(values: list[float]) -> float:
     v = sorted(values)
     return v[(len(v) - 1) // 4]
@@ -251,9 +216,6 @@ class ServingSample:
     cpu_long: dict[str, float]
     cpu_short: dict[str, float]
     cpu_pd: dict[str, float]
-    # The same over waves of WAVE requests sent together (colocated), OSL tokens and one.
-    cpu_wave_long: dict[str, float] = field(default_factory=dict)
-    cpu_wave_short: dict[str, float] = field(default_factory=dict)
 
 
 def measure_serving(
@@ -297,8 +259,6 @@ def measure_serving(
 
             cpu_long = _cpu_per_request(up, serial(up, alone))
             cpu_short = _cpu_per_request(up, one_token)
-            cpu_wave_long = _cpu_per_request(up, lambda: _waves(up, model, prompt, requests, OSL))
-            cpu_wave_short = _cpu_per_request(up, lambda: _waves(up, model, prompt, requests, 1))
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
@@ -306,7 +266,6 @@ def measure_serving(
     return ServingSample(
         alone=tuple(tuple(t) for t in alone), pd=tuple(tuple(t) for t in pd),
         cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd,
-        cpu_wave_long=cpu_wave_long, cpu_wave_short=cpu_wave_short,
     )  # fmt: skip
 
 
@@ -365,27 +324,11 @@ def serving_cost(
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
     row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
     worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
-    # WAVE streams together: each process's CPU per token when tokens come WAVE to a burst
-    # (the worker's less its share of a WAVE-row decode step), split into per token and per
-    # burst (ServingCost.router_token).
-    wave_long = _mean_cpu([s.cpu_wave_long for s in segments])
-    wave_short = _mean_cpu([s.cpu_wave_short for s in segments])
-
-    def per_token(key: str, less: float = 0.0) -> float:
-        if key not in wave_long or key not in wave_short:
-            return 0.0
-        return max(0.0, (wave_long[key] - wave_short[key]) / (OSL - 1) - less)
-
-    decode_wave = step.step_seconds([(1, ISL + OSL // 2)] * WAVE) * threads / WAVE
-    row, row_burst = _split(row, per_token("colocated", decode_wave) if w_short else 0.0)
-    router_token, router_burst = _split(router_token, per_token(ROUTER))
-    client_token, client_burst = _split(client_token, per_token(CLIENT))
     # P/D: each side's CPU per request beyond its steps (and the decode side's rows) is its
     # request handling plus its half of the KV transfer.
     p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
     prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
-    decode_request = (max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row + row_burst))
-                      if d_cpu else 0.0)  # fmt: skip
+    decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
     # the step and the step's own overhead.
     step_overhead = max(0.0, itl_median - decode1)
@@ -416,9 +359,6 @@ def serving_cost(
         decode_request_cpu=round(decode_request, 6),
         client_request_cpu=round(client_request, 6),
         client_token_cpu=round(client_token, 7),
-        row_burst_seconds=round(row_burst, 7),
-        router_burst_cpu=round(router_burst, 7),
-        client_burst_cpu=round(client_burst, 7),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

@@ -187,13 +187,6 @@ def main(argv: list[str]) -> int:
 
         try:
             profile = replace(profile, serving=serving_cost(profile, segments, transport))
-            # The simulator, run in the calibration's own conditions, must give its figures
-            # back: the CPU it charges on the shared cores was inside them already.
-            from tandem.calibrate import ISL, OSL
-            from tandem.engine.cpu_threads import available_cpus
-            from tandem.serving_fit import fit_serving
-
-            profile = fit_serving(profile, available_cpus(), transport, ISL, OSL)
         except ValueError as exc:
             raise SystemExit(f"tandem profile: the serving stage failed: {exc}") from None
     profile.save(args.output)

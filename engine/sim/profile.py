@@ -104,13 +104,6 @@ class ServingCost:
     client like the validation's): the simulator counts them against the shared cores only when
     told the load runs on the same machine (``SimOptions.client_shares_cores``). 0: not
     measured (not modelled).
-
-    Per-token CPU is cheaper when tokens come together: a worker streams a step's tokens in one
-    pass of its loop, and the router and the client read them in one wake-up each. A burst of
-    ``n`` tokens (one step's) costs ``n`` x the per-token figure plus its ``*_burst`` figure once
-    (``row_burst_seconds``, ``router_burst_cpu``, ``client_burst_cpu``), split from lone
-    streams and ``WAVE`` concurrent ones (``tandem_pkg/calibrate.py``). 0: every token pays the
-    whole lone cost (profiles made before the split).
     """
 
     request_seconds: float = 0.002
@@ -125,9 +118,6 @@ class ServingCost:
     decode_request_cpu: float = 0.0  # on a decode worker, with its pull
     client_request_cpu: float = 0.0
     client_token_cpu: float = 0.0
-    row_burst_seconds: float = 0.0
-    router_burst_cpu: float = 0.0
-    client_burst_cpu: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -136,14 +126,6 @@ class ServingCost:
     request_spread: tuple[float, ...] = ()
     pace_spread: tuple[float, ...] = ()
     pace_seconds: float = 0.0
-
-    def router_token(self, burst: int) -> float:
-        """The router's CPU for one token of a burst of ``burst`` tokens."""
-        return self.router_token_cpu + self.router_burst_cpu / max(1, burst)
-
-    def client_token(self, burst: int) -> float:
-        """The client's CPU for one token of a burst of ``burst`` tokens."""
-        return self.client_token_cpu + self.client_burst_cpu / max(1, burst)
 
     def request_cpu(self, role: Role) -> float:
         """A worker of ``role``'s CPU per request sent to it, which the simulator's workers take
@@ -232,8 +214,6 @@ class Profile:
                 "decode_request_cpu": s.decode_request_cpu,
                 "client_request_cpu": s.client_request_cpu,
                 "client_token_cpu": s.client_token_cpu,
-                "row_burst_seconds": s.row_burst_seconds,
-                "router_burst_cpu": s.router_burst_cpu, "client_burst_cpu": s.client_burst_cpu,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -399,9 +379,6 @@ def profile_from_dict(data: Any) -> Profile:
                 "decode_request_cpu",
                 "client_request_cpu",
                 "client_token_cpu",
-                "row_burst_seconds",
-                "router_burst_cpu",
-                "client_burst_cpu",
                 "pace_seconds",
             )  # fmt: skip
         },

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sim_profiles import synthetic_profile
 
 from tandem.calibrate import (
-    ISL,
     OSL,
-    WAVE,
     ServingSample,
     children_cpu,
     process_cpu,
@@ -105,42 +102,6 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.token_seconds == pytest.approx(0.006 - request, abs=1e-6)
     # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
-
-
-def test_waves_split_per_token_cpu_into_per_token_and_per_burst() -> None:
-    # Lone streams: the router 0.2 ms a token, the worker 0.3 ms beyond its decode step, the
-    # client 0.1 ms. WAVE streams together: 0.1, 0.1 (beyond its share of a WAVE-row step)
-    # and 0.1 ms. With lone = token + burst and wave = token + burst / WAVE:
-    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
-    decode1 = profile.step.step_seconds([(1, ISL + OSL // 2)])
-    share = profile.step.step_seconds([(1, ISL + OSL // 2)] * WAVE) / WAVE
-    short = {"router": 0.003, "colocated": 0.00332, "client": 0.001}
-    long = {"router": 0.003 + 31 * 0.0002, "colocated": 0.00332 + 31 * (decode1 + 0.0003),
-            "client": 0.001 + 31 * 0.0001}  # fmt: skip
-    wave_long = {"router": 0.002 + 31 * 0.0001, "colocated": 0.001 + 31 * (share + 0.0001),
-                 "client": 0.0005 + 31 * 0.0001}  # fmt: skip
-    wave_short = {"router": 0.002, "colocated": 0.001, "client": 0.0005}
-    alone = _answers(0.01, decode1 + 0.0005, 10)
-    sample = ServingSample(alone=alone, pd=_answers(0.02, 0.01, 5), cpu_long=long,
-                           cpu_short=short, cpu_pd={}, cpu_wave_long=wave_long,
-                           cpu_wave_short=wave_short)  # fmt: skip
-    cost = serving_cost(profile, [sample], "tcp")
-    router_burst = 0.0001 * WAVE / (WAVE - 1)
-    assert cost.router_burst_cpu == pytest.approx(router_burst, abs=1e-7)
-    assert cost.router_token_cpu == pytest.approx(0.0002 - router_burst, abs=1e-7)
-    row_burst = 0.0002 * WAVE / (WAVE - 1)
-    assert cost.row_burst_seconds == pytest.approx(row_burst, abs=1e-7)
-    assert cost.row_seconds == pytest.approx(0.0003 - row_burst, abs=1e-7)
-    # The client's costs the same per token in a wave: nothing is per burst.
-    assert cost.client_burst_cpu == 0.0
-    assert cost.client_token_cpu == pytest.approx(0.0001, abs=1e-7)
-    # A lone token pays both parts, as measured; a token of a full wave its wave cost.
-    assert cost.router_token(1) == pytest.approx(0.0002, abs=2e-7)
-    assert cost.router_token(WAVE) == pytest.approx(0.0001, abs=2e-7)
-    # Without waves (profiles before the split): every token pays the lone cost.
-    plain = serving_cost(profile, [replace(sample, cpu_wave_long={}, cpu_wave_short={})], "tcp")
-    assert plain.router_burst_cpu == plain.row_burst_seconds == 0.0
-    assert plain.router_token_cpu == pytest.approx(0.0002, abs=1e-7)
 
 
 def test_serving_cost_of_no_complete_answers_is_refused() -> None:
