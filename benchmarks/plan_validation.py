@@ -18,7 +18,8 @@ Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to 
     python benchmarks/plan_validation.py --simulated-workers   # the simulator against
         # `tandem up --simulate` on the same profile: the router, HTTP and scheduling model alone
 
-Run it on a quiet machine: every number is a wall-clock latency.
+Run it on a quiet machine: every number is a wall-clock latency. ``plan_resimulate.py`` predicts
+a saved run (its ``--out``) again with the current simulator.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""Re-simulate a saved ``plan_validation.py`` run with the current simulator.
+
+The simulator is deterministic for a profile and a seed, so a change to it can be judged on a
+run's real measurements without running them again: this reads the run's ``results.json``
+(the cases, their rates and measured p90s) and its profiles (``profile-<model>.json`` for the
+first round, ``profile-<model>-roundN.json`` for later ones), predicts every round again and
+prints the table with the counts ``plan_validation.py`` prints. The requests are the run's own
+(the same workload, seed and profile give the same requests).
+
+    python benchmarks/plan_resimulate.py /tmp/planval            # every model of the run
+    python benchmarks/plan_resimulate.py /tmp/planval --cores 2  # the cores the run shared
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from plan_validation import DEPLOYMENTS, Row, _predict, table, workloads
+
+from tandem.engine.cpu_threads import available_cpus
+from tandem.engine.sim.profile import load_profile
+from tandem.planner.workload import Arrival, Lengths, Workload
+
+
+def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
+    first = run / f"profile-{model}.json"
+    later = [run / f"profile-{model}-round{r + 1}.json" for r in range(1, rounds)]
+    # A run made with --one-profile (or --profile) has no later profiles: the first for all.
+    return [first] + [p if p.exists() else first for p in later]
+
+
+def resimulate(run: Path, cores: int) -> list[Row]:
+    """Every row of ``run``'s results, its predictions made again from the run's profiles."""
+    rows = []
+    for r in json.loads((run / "results.json").read_text()):
+        row = Row(**{**r, "ttft_rounds": tuple(r["ttft_rounds"]),
+                     "itl_rounds": tuple(r["itl_rounds"])})  # fmt: skip
+        paths = _profiles(run, row.model, len(row.ttft_rounds))
+        isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
+        w = Workload(rate=row.rate, isl=Lengths(isl), osl=Lengths(osl),
+                     num_requests=row.requests, arrival=Arrival.POISSON)  # fmt: skip
+        p, d = DEPLOYMENTS[row.deployment]
+        preds = [_predict(path, w, p, d, cores, simulated=False) for path in paths]
+        t, i = tuple(x[0] for x in preds), tuple(x[1] for x in preds)
+        rows.append(Row(
+            model=row.model, workload=row.workload, load=row.load, rate=row.rate,
+            deployment=row.deployment, requests=row.requests,
+            measured_ttft_p90=row.measured_ttft_p90, predicted_ttft_p90=statistics.median(t),
+            measured_itl_p90=row.measured_itl_p90, predicted_itl_p90=statistics.median(i),
+            failed=row.failed, ttft_rounds=row.ttft_rounds, itl_rounds=row.itl_rounds,
+            predicted_ttft_rounds=t, predicted_itl_rounds=i,
+        ))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a plan_validation.py --out directory")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=available_cpus(),
+        help="cores the run's workers shared (the simulator's shared_cores)",
+    )
+    args = ap.parse_args()
+    print(table(resimulate(args.run, args.cores)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""plan_resimulate: a saved validation run's predictions made again from its own profiles."""
+
+import json
+from pathlib import Path
+
+import pytest
+from plan_resimulate import resimulate
+from plan_validation import _predict
+from sim_profiles import write_profile
+
+from tandem.planner.workload import Arrival, Lengths, Workload
+
+# workloads(256)["chat"]: 64 prompt tokens, 32 out.
+CHAT = Workload(rate=5.0, isl=Lengths(64), osl=Lengths(32), num_requests=20,
+                arrival=Arrival.POISSON)  # fmt: skip
+
+
+def _run(tmp_path: Path, rounds: int, later_profiles: bool) -> Path:
+    write_profile(tmp_path / "profile-demo.json", execute=(0.002, 1e-5, 0, 0, 0, 0, 0))
+    if later_profiles:
+        for r in range(2, rounds + 1):
+            write_profile(tmp_path / f"profile-demo-round{r}.json",
+                          execute=(0.002 * r, 1e-5, 0, 0, 0, 0, 0))  # fmt: skip
+    row = {"model": "demo", "workload": "chat", "load": "light", "rate": 5.0,
+           "deployment": "1P1D", "requests": 20, "measured_ttft_p90": 0.02,
+           "predicted_ttft_p90": 0.0, "measured_itl_p90": 0.003, "predicted_itl_p90": 0.0,
+           "failed": 0, "ttft_rounds": [0.02] * rounds, "itl_rounds": [0.003] * rounds,
+           "predicted_ttft_rounds": [0.0] * rounds,
+           "predicted_itl_rounds": [0.0] * rounds}  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps([row]))
+    return tmp_path
+
+
+def test_each_round_is_predicted_again_from_its_own_profile(tmp_path: Path) -> None:
+    run = _run(tmp_path, 2, later_profiles=True)
+    (row,) = resimulate(run, cores=2)
+    want = [_predict(run / name, CHAT, 1, 1, 2, simulated=False)
+            for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
+    assert row.predicted_ttft_rounds == tuple(w[0] for w in want)
+    assert row.predicted_itl_rounds == tuple(w[1] for w in want)
+    # The slower second profile predicts a slower round; the measurements are the run's.
+    assert row.predicted_itl_rounds[1] > row.predicted_itl_rounds[0]
+    assert row.predicted_itl_p90 == pytest.approx(sum(row.predicted_itl_rounds) / 2)
+    assert (row.measured_ttft_p90, row.itl_rounds) == (0.02, (0.003, 0.003))
+
+
+def test_a_run_with_one_profile_predicts_every_round_from_it(tmp_path: Path) -> None:
+    (row,) = resimulate(_run(tmp_path, 3, later_profiles=False), cores=2)
+    assert len(set(row.predicted_itl_rounds)) == 1 and len(row.predicted_itl_rounds) == 3
