@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
-from plan_validation import DEPLOYMENTS, Row, _predict, table, workloads
+from plan_validation import DEPLOYMENTS, Row, _predict, case_workload, table, workloads
 
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
-from tandem.planner.workload import Arrival, Lengths, Workload
 
 
 def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
@@ -36,21 +36,16 @@ def resimulate(run: Path, cores: int) -> list[Row]:
     """Every row of ``run``'s results, its predictions made again from the run's profiles."""
     rows = []
     for r in json.loads((run / "results.json").read_text()):
-        row = Row(**{**r, "ttft_rounds": tuple(r["ttft_rounds"]),
-                     "itl_rounds": tuple(r["itl_rounds"])})  # fmt: skip
+        rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds")
+        row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
-        w = Workload(rate=row.rate, isl=Lengths(isl), osl=Lengths(osl),
-                     num_requests=row.requests, arrival=Arrival.POISSON)  # fmt: skip
+        w = case_workload(row.rate, isl, osl, row.requests)
         p, d = DEPLOYMENTS[row.deployment]
         preds = [_predict(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x[0] for x in preds), tuple(x[1] for x in preds)
-        rows.append(Row(
-            model=row.model, workload=row.workload, load=row.load, rate=row.rate,
-            deployment=row.deployment, requests=row.requests,
-            measured_ttft_p90=row.measured_ttft_p90, predicted_ttft_p90=statistics.median(t),
-            measured_itl_p90=row.measured_itl_p90, predicted_itl_p90=statistics.median(i),
-            failed=row.failed, ttft_rounds=row.ttft_rounds, itl_rounds=row.itl_rounds,
+        rows.append(replace(
+            row, predicted_ttft_p90=statistics.median(t), predicted_itl_p90=statistics.median(i),
             predicted_ttft_rounds=t, predicted_itl_rounds=i,
         ))  # fmt: skip
     return rows

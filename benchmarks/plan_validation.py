@@ -119,6 +119,13 @@ def rates(profile: Profile, isl: int, osl: int) -> dict[str, float]:
     return {"light": round(0.3 / alone, 3), "moderate": round(0.6 / alone, 3)}
 
 
+def case_workload(rate: float, isl: int, osl: int, requests: int) -> Workload:
+    """A case's workload: Poisson arrivals of fixed-length requests (the replay and the
+    simulator both draw its requests with seed 0; ``plan_resimulate.py`` rebuilds it)."""
+    return Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=requests,
+                    arrival=Arrival.POISSON)  # fmt: skip
+
+
 def profile_model(model: str, out: Path, quick: bool, threads: int, suffix: str = "") -> Path:
     path = out / f"profile-{Path(model).name}{suffix}.json"
     cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
@@ -167,8 +174,7 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
             loads = {"moderate": loads["moderate"]}
         for lname, rate in loads.items():
             n = max(20, round(rate * duration))
-            w = Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=n,
-                         arrival=Arrival.POISSON)  # fmt: skip
+            w = case_workload(rate, isl, osl, n)
             for dname, (p, d) in DEPLOYMENTS.items():
                 cases.append((wname, lname, rate, dname, p, d, w))
     measured: dict[int, list[tuple[float, float, int]]] = {i: [] for i in range(len(cases))}
