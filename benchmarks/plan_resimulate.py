@@ -36,7 +36,8 @@ def resimulate(run: Path, cores: int) -> list[Row]:
     """Every row of ``run``'s results, its predictions made again from the run's profiles."""
     rows = []
     for r in json.loads((run / "results.json").read_text()):
-        rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds")
+        rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
+                  "cpu_rounds")  # fmt: skip
         row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]

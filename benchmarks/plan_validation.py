@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from replay_load import Measured, replay
 
-from tandem.calibrate import LocalUp
+from tandem.calibrate import LocalUp, children_cpu
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles
@@ -66,6 +68,10 @@ class Row:
     # predicted figures above are their medians).
     predicted_ttft_rounds: tuple[float, ...] = ()
     predicted_itl_rounds: tuple[float, ...] = ()
+    # Each round's CPU seconds per request, every `tandem up` process and the client together,
+    # over the timed replay: the same requests each round, so its spread is the machine's pace
+    # between rounds (a run saved before it was recorded has none).
+    cpu_rounds: tuple[float, ...] = ()
 
     @property
     def ttft_error(self) -> float:
@@ -126,8 +132,11 @@ def case_workload(rate: float, isl: int, osl: int, requests: int) -> Workload:
                     arrival=Arrival.POISSON)  # fmt: skip
 
 
-def profile_model(model: str, out: Path, quick: bool, threads: int, suffix: str = "") -> Path:
-    path = out / f"profile-{Path(model).name}{suffix}.json"
+def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
+                  suffix: str = "") -> Path:  # fmt: skip
+    """Profile ``model`` into ``out``/profile-``name````suffix``.json (``name``: the model's name
+    in the tables, which ``plan_resimulate.py`` finds the profiles by)."""
+    path = out / f"profile-{name}{suffix}.json"
     cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
            "--transports", "tcp", "--threads", str(threads)]  # fmt: skip
     cmd += ["--quick"] if quick else []
@@ -152,16 +161,16 @@ def _predict(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
     return sim.ttft.p90, sim.itl.p90
 
 
-def run_model(model: str, profile_path: Path, out: Path, duration: float, quick: bool,
-              cores: int | None, simulated: bool, repeats: int = 1,
+def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
+              quick: bool, cores: int | None, simulated: bool, repeats: int = 1,
               reprofile: Callable[[int], Path] | None = None) -> list[Row]:  # fmt: skip
-    """Every case's real run ``repeats`` times, the rounds interleaved (all cases, then all
-    again): this machine's speed drifts by tens of percent over minutes, so a case measured in
-    one stretch would carry that stretch's pace. Each case's measured p90 is the median of its
-    rounds. The cases (rates, requests) come from the first profile; with ``reprofile`` every
-    later round is predicted from the profile ``reprofile(round)`` makes just before it, else
-    from the first. The prediction is the median of the rounds' (the simulator is
-    deterministic for its seed and profile)."""
+    """Every case's real run of ``model`` (``name`` in the table) ``repeats`` times, the rounds
+    interleaved (all cases, then all again): this machine's speed drifts by tens of percent
+    over minutes, so a case measured in one stretch would carry that stretch's pace. Each
+    case's measured p90 is the median of its rounds. The cases (rates, requests) come from the
+    first profile; with ``reprofile`` every later round is predicted from the profile
+    ``reprofile(round)`` makes just before it, else from the first. The prediction is the
+    median of the rounds' (the simulator is deterministic for its seed and profile)."""
     profile = load_profile(profile_path)
     threads = profile.threads
     shapes = workloads(profile.model.max_model_len)
@@ -177,7 +186,7 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
             w = case_workload(rate, isl, osl, n)
             for dname, (p, d) in DEPLOYMENTS.items():
                 cases.append((wname, lname, rate, dname, p, d, w))
-    measured: dict[int, list[tuple[float, float, int]]] = {i: [] for i in range(len(cases))}
+    measured: dict[int, list[tuple[float, float, int, float]]] = {i: [] for i in range(len(cases))}
     predicted: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(cases))}
     round_profile = profile_path
     for rnd in range(repeats):
@@ -187,7 +196,7 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
             reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
             warm = generate(replace(w, num_requests=4), profile.model.sim_token_ids, 99,
                             profile.model.max_model_len)  # fmt: skip
-            logs = out / "logs" / f"{Path(model).name}-{wname}-{lname}-{dname}-{rnd}"
+            logs = out / "logs" / f"{name}-{wname}-{lname}-{dname}-{rnd}"
             logs.mkdir(parents=True, exist_ok=True)
             # Every deployment's workers run the threads the profile's steps were timed with.
             args = ["--model", model, "--prefill", str(p), "--decode", str(d),
@@ -196,16 +205,20 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
                 args += ["--simulate", str(round_profile)]
             with LocalUp(args, p + d, logs) as up:
                 replay(up.url, model, warm)  # tandem up serves --model under that name
+                before, own = children_cpu(up.proc.pid), time.process_time()
                 got: list[Measured] = replay(up.url, model, reqs)
+                after, own = children_cpu(up.proc.pid), time.process_time() - own
             ok = [m for m in got if m.error is None]
             ttft = _p90([m.ttft for m in ok if m.ttft is not None])
             itl = _p90([m.itl for m in ok if m.itl is not None])
-            measured[i].append((ttft, itl, len(got) - len(ok)))
+            cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
+            measured[i].append((ttft, itl, len(got) - len(ok), cpu))
             predicted[i].append(_predict(round_profile, w, p, d, cores, simulated))
             pt, pi = predicted[i][-1]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
-                  f"(predicted {pi * 1e3:.2f})", flush=True)  # fmt: skip
+                  f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request",
+                  flush=True)  # fmt: skip
     rows = []
     for i, (wname, lname, rate, dname, _p, _d, w) in enumerate(cases):
         ttfts = tuple(m[0] for m in measured[i])
@@ -213,12 +226,12 @@ def run_model(model: str, profile_path: Path, out: Path, duration: float, quick:
         p_ttfts = tuple(m[0] for m in predicted[i])
         p_itls = tuple(m[1] for m in predicted[i])
         row = Row(
-            model=Path(model).name, workload=wname, load=lname, rate=rate, deployment=dname,
+            model=name, workload=wname, load=lname, rate=rate, deployment=dname,
             requests=w.num_requests, measured_ttft_p90=statistics.median(ttfts),
             predicted_ttft_p90=statistics.median(p_ttfts), measured_itl_p90=statistics.median(itls),
             predicted_itl_p90=statistics.median(p_itls), failed=sum(m[2] for m in measured[i]),
             ttft_rounds=ttfts, itl_rounds=itls, predicted_ttft_rounds=p_ttfts,
-            predicted_itl_rounds=p_itls,
+            predicted_itl_rounds=p_itls, cpu_rounds=tuple(m[3] for m in measured[i]),
         )  # fmt: skip
         rows.append(row)
         print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
@@ -242,12 +255,20 @@ def _within(rows: list[Row]) -> tuple[int, int, int]:
 
 
 def table(rows: list[Row]) -> str:
+    cpu = any(r.cpu_rounds for r in rows)
     lines = [
         "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured (rounds) /"
-        " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |",
-        "| --- | --- | --- | ---: | --- | --- | --- |",
+        " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |"
+        + (" CPU per request (rounds) |" if cpu else ""),
+        "| --- | --- | --- | ---: | --- | --- | --- |" + (" --- |" if cpu else ""),
     ]
     for r in rows:
+        spent = ""
+        if cpu and r.cpu_rounds:
+            mid = statistics.median(r.cpu_rounds) * 1e3
+            spent = f" {mid:.1f} ms{_span(r.cpu_rounds, 1e3, 'ms', 1)} |"
+        elif cpu:
+            spent = " |"
         lines.append(
             f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
             f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
@@ -255,7 +276,7 @@ def table(rows: list[Row]) -> str:
             f"({r.ttft_error:+.0%}) | "
             f"{r.measured_itl_p90 * 1e3:.2f} ms{_span(r.itl_rounds, 1e3, 'ms', 2)} / "
             f"{r.predicted_itl_p90 * 1e3:.2f} ms{_span(r.predicted_itl_rounds, 1e3, 'ms', 2)} "
-            f"({r.itl_error:+.0%}) |"
+            f"({r.itl_error:+.0%}) |{spent}"
         )
     within, single, runs = _within(rows)
     lines.append(
@@ -346,21 +367,27 @@ def main() -> None:
     rows: list[Row] = []
     for name in args.models.split(","):
         model = name
+        label = Path(name).name  # the tables' and profiles' name: random-512, not its temp dir
         if name == "random-512":
             from offline_throughput import write_random_llama
 
             model = write_random_llama(hidden=512, layers=4, printable=True)
         threads = args.threads or split_threads(args.cores, 2)
         if name in given:
-            profile = Path(given[name])
+            # A copy beside the results, so plan_resimulate.py finds it there as it finds a
+            # profile made by the run.
+            profile = out / f"profile-{label}.json"
+            if Path(given[name]).resolve() != profile.resolve():
+                shutil.copyfile(given[name], profile)
         else:
-            profile = profile_model(model, out, args.quick, threads)
+            profile = profile_model(model, label, out, args.quick, threads)
 
-        def reprofile(rnd: int, model: str = model, threads: int = threads) -> Path:
-            return profile_model(model, out, args.quick, threads, f"-round{rnd + 1}")
+        def reprofile(rnd: int, model: str = model, label: str = label,
+                      threads: int = threads) -> Path:  # fmt: skip
+            return profile_model(model, label, out, args.quick, threads, f"-round{rnd + 1}")
 
         again = None if args.one_profile or name in given else reprofile
-        rows += run_model(model, profile, out, args.duration, args.quick, args.cores,
+        rows += run_model(model, label, profile, out, args.duration, args.quick, args.cores,
                           args.simulated_workers, args.repeats, again)  # fmt: skip
         # After each model, so a later model's failure keeps the earlier figures.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))

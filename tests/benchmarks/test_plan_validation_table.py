@@ -1,0 +1,40 @@
+"""plan_validation's table: the counts it judges by, and each round's CPU per request."""
+
+from plan_validation import Row, table
+
+
+def _row(deployment: str, ttft: tuple[float, ...], itl: tuple[float, ...],
+         cpu: tuple[float, ...] = ()) -> Row:  # fmt: skip
+    mid = sorted(ttft)[len(ttft) // 2], sorted(itl)[len(itl) // 2]
+    return Row(
+        model="random-512", workload="chat", load="light", rate=5.0, deployment=deployment,
+        requests=100, measured_ttft_p90=mid[0], predicted_ttft_p90=0.020,
+        measured_itl_p90=mid[1], predicted_itl_p90=0.002, failed=0, ttft_rounds=ttft,
+        itl_rounds=itl, predicted_ttft_rounds=(0.020,) * len(ttft),
+        predicted_itl_rounds=(0.002,) * len(itl), cpu_rounds=cpu,
+    )  # fmt: skip
+
+
+def test_the_table_counts_cases_and_single_runs_within_25_percent() -> None:
+    rows = [
+        # Medians 0.021 s and 2.1 ms: within; the third round's TTFT (0.030 s) is not.
+        _row("colocated", (0.021, 0.020, 0.030), (0.0021, 0.0020, 0.0022)),
+        # Median ITL 3 ms against 2 ms predicted: -33 %, a miss.
+        _row("1P1D", (0.020, 0.020, 0.020), (0.003, 0.003, 0.0021)),
+    ]
+    text = table(rows)
+    assert "1 of 2 cases have both errors within 25 %" in text
+    assert "3 of 6 single runs do" in text
+    assert "CPU per request" not in text  # no round recorded it (a run saved before it was)
+
+
+def test_the_table_shows_each_rounds_cpu_per_request_and_the_models_name() -> None:
+    rows = [
+        _row("colocated", (0.02, 0.02), (0.002, 0.002), cpu=(0.0270, 0.0290)),
+        _row("1P1D", (0.02, 0.02), (0.002, 0.002)),  # an older run's row: an empty cell
+    ]
+    lines = table(rows).splitlines()
+    assert lines[0].endswith(" CPU per request (rounds) |")
+    assert lines[2].startswith("| random-512 | chat | light | 5 | colocated |")
+    assert lines[2].endswith("| 28.0 ms (27.0-29.0 ms) |")
+    assert lines[3].endswith("(+0%) | |")
