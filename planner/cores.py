@@ -8,7 +8,10 @@ busy period is known on the virtual clock (a step's end, a loop's queue), so:
 - a step that starts charges itself for the work already running beside it
   (:func:`shared_seconds` over the others' remaining busy periods);
 - work that starts beside running steps (a router loop's burst, a streaming thread's tokens,
-  another worker's step) lengthens those steps by the share it takes (:meth:`CoreShare.burst`).
+  another worker's step) lengthens those steps by the share it takes (:meth:`CoreShare.burst`);
+- a single-threaded burst (a router or client loop's, a worker's streaming thread's) runs at
+  its share too, from what is running when it starts (:meth:`CoreShare.burst_seconds`): the
+  loops are threads on the same cores, and a token they handle waits for that.
 
 A short burst beside a long step so costs the step only the burst's share; a ratio taken at the
 step's start would stretch the whole step. Owned by ``simulator.run_simulation``; a worker asks
@@ -70,6 +73,15 @@ class CoreShare:
             if w.shell_busy_until > now:
                 out.append((w.shell_busy_until - now, 1))
         return out
+
+    def burst_seconds(self, source: object, start: float, cpu: float) -> float:
+        """The wall seconds of ``source``'s single-threaded burst of ``cpu`` seconds that starts
+        at ``start``, beside what is running then (processor sharing, as a step's). Not
+        lengthened by work that starts later: the bursts are short (a token's or a request's
+        handling), and the one that starts later is charged its own share."""
+        if self.cores is None:
+            return cpu
+        return shared_seconds(cpu, 1, self.cores, self._busy(start, source))
 
     def step(self, w: SimWorker, seconds: float) -> float:
         """The wall seconds of ``w``'s step of ``seconds`` alone, starting now; the steps

@@ -60,14 +60,18 @@ class RouterLoop:
 
     def _queue(self, cpu: float) -> None:
         start = max(self.loop.now, self.busy_until)
+        wall = cpu
         if self.share is not None:
-            self.share.burst(start, start + cpu, 1, self)
-        self.busy_until = start + cpu
+            # The loop is a thread on the shared cores: its burst runs at its share of them.
+            wall = self.share.burst_seconds(self, start, cpu)
+            self.share.burst(start, start + wall, 1, self)
+        self.busy_until = start + wall
         self.busy_seconds += cpu
 
     def serve(self, cpu: float, latency: float, then: Callable[[], None]) -> None:
         """Run ``then`` once ``cpu`` seconds of this loop's time (after the work queued before
-        it) and the rest of ``latency`` have passed; in order for equal latencies."""
+        it, at its share of shared cores) and the rest of ``latency`` have passed; in order for
+        equal latencies."""
         self._queue(cpu)
         self.loop.at(self.busy_until + max(0.0, latency - cpu), then)
 
@@ -240,17 +244,17 @@ class SimRouter:
 
         self.loop.after(self.serving.handoff_seconds, admit)
 
-    def _on_output(self, worker: SimWorker, req: Request, new_token: bool) -> None:
+    def _on_output(self, worker: SimWorker, req: Request, new_token: bool, finished: bool) -> None:
         rid = self._owner.get(req.request_id)
         if rid is None:
             return
-        if req.is_finished:
+        if finished:
             self._inflight[worker.engine_id] -= 1
             del self._owner[req.request_id]
             self._pending_decode.pop(req.request_id, None)
         if new_token:
-            self._token(rid, req, final=req.is_finished)
-        elif req.is_finished:
+            self._token(rid, req, final=finished)
+        elif finished:
             self._finish(rid)
 
     def _token(self, rid: str, req: Request, final: bool, handoff: bool = False) -> None:

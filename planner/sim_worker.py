@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from tandem.decode.hooks import DecodeHooks, LoadFailurePolicy
 from tandem.engine.block_pool import BlockPool
@@ -47,8 +48,10 @@ class WorkerLoad:
 class WorkerCallbacks:
     """How a worker reports to the simulated router (all called on the virtual clock)."""
 
-    # A request's new token (True) or its end without one (False: ended in a role hook).
-    on_output: Callable[[SimWorker, Request, bool], None]
+    # A request's new token (True) or its end without one (False: ended in a role hook), and
+    # whether the request had ended when its step did (a token is delivered after the streaming
+    # thread's turn, when later steps may have ended the request).
+    on_output: Callable[[SimWorker, Request, bool, bool], None]
     on_handoff: Callable[[SimWorker, Request, dict], None]  # prefill done: kv_transfer_params
     on_events: Callable[[SimWorker, list[KVEvent]], None]  # after every step with events
 
@@ -90,7 +93,8 @@ class SimWorker:
         self._row_overhead = row_overhead
         # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
         # with the next one where a core is free: CPU the shared-core slowdown counts while
-        # ``shell_busy_until`` is ahead, not time added to the step.
+        # ``shell_busy_until`` is ahead, not time added to the step. The thread is a FIFO
+        # server: each token leaves the worker after the rows streamed before it.
         self.shell_busy_until = 0.0
         # The HTTP side's work on each request sent here, taken from the next step (one GIL).
         self._request_overhead = request_overhead
@@ -176,7 +180,7 @@ class SimWorker:
         out = sched.schedule()
         ended += self.hooks.on_scheduled(sched, out)
         for req in ended:
-            self._cb.on_output(self, req, False)
+            self._cb.on_output(self, req, False, req.is_finished)
         if out.is_empty:
             self._events()
             return  # idle: a request, a finished load or a release wakes it
@@ -206,19 +210,21 @@ class SimWorker:
             return
         changed = self.scheduler.update(out, sample(out, self._tokens))
         self._track_usage()
-        now = self.loop.now
-        start = max(now, self.shell_busy_until)
-        end = start + self._row_overhead * len(changed)
-        self._cores.burst(start, end, 1, self)
-        self.shell_busy_until = end
-        for req in changed:
+        start = max(self.loop.now, self.shell_busy_until)
+        wall = self._cores.burst_seconds(self, start, self._row_overhead * len(changed))
+        self._cores.burst(start, start + wall, 1, self)
+        self.shell_busy_until = start + wall
+        per_row = wall / len(changed) if changed else 0.0
+        for i, req in enumerate(changed):
+            sent = start + (i + 1) * per_row  # this row's token leaves the worker
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
                 final = EngineOutput(req.request_id, req.group_id, 0, [], True)
                 self.hooks.on_handoff(req, final)
                 assert final.kv_transfer_params is not None
-                self._cb.on_handoff(self, req, final.kv_transfer_params)
+                self.loop.at(sent, partial(self._cb.on_handoff, self, req,
+                                           final.kv_transfer_params))  # fmt: skip
             else:
-                self._cb.on_output(self, req, True)
+                self.loop.at(sent, partial(self._cb.on_output, self, req, True, req.is_finished))
         self._events()
         self.busy = False
         self._step()

@@ -332,8 +332,9 @@ def serving_cost(
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
     # the step and the step's own overhead.
     step_overhead = max(0.0, itl_median - decode1)
-    # The first token's serving latency per request: its median, and its spread.
-    served = [[max(0.0, t[0] - prefill - step_overhead) for t in part] for part in alone]
+    # The first token's serving latency per request: its median, and its spread (beyond the
+    # step, its overhead and the streaming of its row, which the simulated worker adds).
+    served = [[max(0.0, t[0] - prefill - step_overhead - row) for t in part] for part in alone]
     router = _median_of(served, _median)
     # The first token's latency holds both processes' per-request CPU: the rest is the token's.
     request_part = min(router, max(router * 0.75, router_request + worker_request))

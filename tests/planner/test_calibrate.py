@@ -86,7 +86,10 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     fast = segment(0.002, slow_itl - 0.001, 0.006)
     cost = serving_cost(profile, [usual, fast, usual], "tcp")
     assert cost.step_seconds == pytest.approx(0.0005)  # the median segment's ITL less the step
-    assert cost.request_spread == pytest.approx((0.006,) * 10)
+    # The first token's serving share: 6 ms less the streaming of its row (0.3 ms, below),
+    # which the simulated worker adds itself.
+    served = 0.006 - 0.0003
+    assert cost.request_spread == pytest.approx((served,) * 10)
     assert cost.pace_spread == pytest.approx((1.0,) * 10)
     assert cost.pace_seconds == pytest.approx(31 * slow_itl)
     # CPU is a mean over segments: the router's per one-token request is (3 + 6 + 3) / 3 ms.
@@ -95,11 +98,10 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.router_request_cpu == pytest.approx(0.004 - router_token, abs=1e-6)
     assert cost.worker_request_cpu == pytest.approx(0.001)
     assert cost.row_seconds == pytest.approx(0.0003, abs=1e-7)
-    # The first token's 6 ms: the router's and the worker's CPU per request, the rest the
-    # token's.
+    # That share: the router's and the worker's CPU per request, the rest the token's.
     request = 0.004 - router_token + 0.001
     assert cost.request_seconds == pytest.approx(request, abs=1e-6)
-    assert cost.token_seconds == pytest.approx(0.006 - request, abs=1e-6)
+    assert cost.token_seconds == pytest.approx(served - request, abs=1e-6)
     # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
 

@@ -176,21 +176,32 @@ def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
     # Four streams at once on one colocated worker; streaming a token costs its HTTP thread
     # 20 ms (longer than a 10.4 ms decode step), so that thread is always busy while the
     # streams run. With a core of its own (2 cores, 1 engine thread) the steps are untouched;
-    # on 1 shared core each step is stretched 2x (engine + streaming thread); with no shared
-    # cores (an accelerator) streaming never slows a step.
+    # on 1 shared core each decode step is stretched 2x (engine + streaming thread); with no
+    # shared cores (an accelerator) streaming never slows a step.
     w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
                  arrival=Arrival.CONSTANT)  # fmt: skip
     rows = replace(PROFILE, serving=replace(BASE, row_seconds=0.02))
 
-    def itl(profile, cores: int | None) -> float:  # noqa: ANN001 - a Profile
-        r = simulate(profile, w, Deployment(0, 1),
-                     SimOptions(shared_cores=cores, variability=False))  # fmt: skip
-        return r.itl.p50
+    def run(profile, cores: int | None) -> tuple[int, float, float]:  # noqa: ANN001 - a Profile
+        """(steps, the worker's busy seconds, first token to last over all the requests)."""
+        sim = run_simulation(profile, w, Deployment(0, 1),
+                             SimOptions(shared_cores=cores, variability=False))  # fmt: skip
+        (worker,) = sim.workers
+        traces = sim.result.traces
+        span = max(t.last_token for t in traces) - min(t.first_token for t in traces)
+        return worker.steps, worker.busy_seconds, span
 
-    base = itl(PROFILE, None)
-    assert itl(rows, None) == pytest.approx(base)
-    assert itl(rows, 2) == pytest.approx(base)
-    assert itl(rows, 1) == pytest.approx(2 * base, rel=0.05)
+    steps, busy, _ = run(PROFILE, None)
+    # The first request's prefill (11.6 ms), the other three's with its decode, four decode
+    # steps of 10.4 ms and a last of three rows.
+    assert steps == 7
+    for cores in (None, 2):
+        assert run(rows, cores)[:2] == (7, pytest.approx(busy))
+        # But the tokens wait for the streaming thread, a FIFO of 20 ms a row: the 24 rows
+        # leave one every 20 ms from the prefill step's end, whatever the steps do meanwhile.
+        assert run(rows, cores)[2] == pytest.approx(23 * 0.02)
+    # One core: every step after the first shares it with the streaming thread, at half speed.
+    assert run(rows, 1)[1] == pytest.approx(busy + (busy - 0.0116), rel=0.05)
 
 
 def test_shared_cores_are_processor_shared_over_the_overlap_only() -> None:
