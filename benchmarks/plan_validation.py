@@ -263,12 +263,10 @@ def table(rows: list[Row]) -> str:
         "| --- | --- | --- | ---: | --- | --- | --- |" + (" --- |" if cpu else ""),
     ]
     for r in rows:
-        spent = ""
-        if cpu and r.cpu_rounds:
+        spent = " |" if cpu else ""  # a run saved before CPU was recorded: an empty cell
+        if r.cpu_rounds:
             mid = statistics.median(r.cpu_rounds) * 1e3
             spent = f" {mid:.1f} ms{_span(r.cpu_rounds, 1e3, 'ms', 1)} |"
-        elif cpu:
-            spent = " |"
         lines.append(
             f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
             f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
