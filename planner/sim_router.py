@@ -9,8 +9,7 @@ decode worker. What the router knows is modelled as it is: prefix overlap from a
 counts (exact). Client-side times add the profile's serving latencies.
 
 A router process is one event loop: its CPU work on each request (``router_request_cpu``) and
-each streamed token (``router_token_cpu``, and its share of ``router_burst_cpu`` with the tokens
-its worker's step streamed together) is served first come, first served, so at high token
+each streamed token (``router_token_cpu``) is served first come, first served, so at high token
 rates tokens and placements queue behind each other, as they do in the real router. Each request
 is served by one of ``RouterConfig.routers`` such loops (round robin, as a load balancer spreads
 connections); the rest of each serving latency is a plain delay.
@@ -228,11 +227,11 @@ class SimRouter:
         self._owner[req.request_id] = rid
         worker.submit(req)
 
-    def _on_handoff(self, worker: SimWorker, req: Request, wire: dict, burst: int) -> None:
+    def _on_handoff(self, worker: SimWorker, req: Request, wire: dict) -> None:
         """Prefill finished: its first token streams to the client, its KV goes to decode."""
         self._inflight[worker.engine_id] -= 1
         rid = self._owner.pop(req.request_id)
-        self._token(rid, req, burst, final=False, handoff=True)
+        self._token(rid, req, final=False, handoff=True)
         d, wr = self._pending_decode.pop(req.request_id)
         params = KVTransferParams.from_dict(wire)
 
@@ -245,9 +244,7 @@ class SimRouter:
 
         self.loop.after(self.serving.handoff_seconds, admit)
 
-    def _on_output(
-        self, worker: SimWorker, req: Request, new_token: bool, finished: bool, burst: int
-    ) -> None:
+    def _on_output(self, worker: SimWorker, req: Request, new_token: bool, finished: bool) -> None:
         rid = self._owner.get(req.request_id)
         if rid is None:
             return
@@ -256,18 +253,12 @@ class SimRouter:
             del self._owner[req.request_id]
             self._pending_decode.pop(req.request_id, None)
         if new_token:
-            self._token(rid, req, burst, final=finished)
+            self._token(rid, req, final=finished)
         elif finished:
             self._finish(rid)
 
-    def _token(
-        self, rid: str, req: Request, burst: int, final: bool, handoff: bool = False
-    ) -> None:
-        """One token of ``rid``, one of ``burst`` its worker's step streamed together: the
-        loops' per-burst CPU is shared among them."""
+    def _token(self, rid: str, req: Request, final: bool, handoff: bool = False) -> None:
         trace = self._traces[rid]
-        sv = self.serving
-        share = 1.0 / max(1, burst)
         if trace.num_tokens == 0:
             trace.num_cached_tokens = max(req.num_cached_tokens, 0)
 
@@ -285,12 +276,12 @@ class SimRouter:
             trace.last_token = now
             trace.num_tokens += 1
             if self.client is not None:
-                self.client.spend(sv.client_token_cpu + sv.client_burst_cpu * share)
+                self.client.spend(self.serving.client_token_cpu)
             if final:
                 self._finish(rid)
 
-        cpu = sv.router_token_cpu + sv.router_burst_cpu * share
-        self._loop_of[rid].serve(cpu, sv.token_seconds, deliver)
+        sv = self.serving
+        self._loop_of[rid].serve(sv.router_token_cpu, sv.token_seconds, deliver)
 
     def _finish(self, rid: str) -> None:
         self._loop_of.pop(rid, None)

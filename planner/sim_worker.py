@@ -48,13 +48,11 @@ class WorkerLoad:
 class WorkerCallbacks:
     """How a worker reports to the simulated router (all called on the virtual clock)."""
 
-    # A request's new token (True) or its end without one (False: ended in a role hook),
+    # A request's new token (True) or its end without one (False: ended in a role hook), and
     # whether the request had ended when its step did (a token is delivered after the streaming
-    # thread's turn, when later steps may have ended the request), and how many tokens its step
-    # streamed together (the burst the router's and client's loops share a wake-up over).
-    on_output: Callable[[SimWorker, Request, bool, bool, int], None]
-    # Prefill done: the request, its kv_transfer_params and its step's burst size.
-    on_handoff: Callable[[SimWorker, Request, dict, int], None]
+    # thread's turn, when later steps may have ended the request).
+    on_output: Callable[[SimWorker, Request, bool, bool], None]
+    on_handoff: Callable[[SimWorker, Request, dict], None]  # prefill done: kv_transfer_params
     on_events: Callable[[SimWorker, list[KVEvent]], None]  # after every step with events
 
 
@@ -76,7 +74,6 @@ class SimWorker:
         row_overhead: float = 0.0,
         request_overhead: float = 0.0,
         transfer_overhead: float = 0.0,
-        burst_overhead: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -94,7 +91,6 @@ class SimWorker:
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
-        self._burst_overhead = burst_overhead  # per step that streams tokens (its wake-up)
         # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
         # with the next one where a core is free: CPU the shared-core slowdown counts while
         # ``shell_busy_until`` is ahead, not time added to the step. The thread is a FIFO
@@ -184,7 +180,7 @@ class SimWorker:
         out = sched.schedule()
         ended += self.hooks.on_scheduled(sched, out)
         for req in ended:
-            self._cb.on_output(self, req, False, req.is_finished, 0)
+            self._cb.on_output(self, req, False, req.is_finished)
         if out.is_empty:
             self._events()
             return  # idle: a request, a finished load or a release wakes it
@@ -215,12 +211,10 @@ class SimWorker:
         changed = self.scheduler.update(out, sample(out, self._tokens))
         self._track_usage()
         start = max(self.loop.now, self.shell_busy_until)
-        n = len(changed)
-        cpu = self._row_overhead * n + (self._burst_overhead if n else 0.0)
-        wall = self._cores.burst_seconds(self, start, cpu)
+        wall = self._cores.burst_seconds(self, start, self._row_overhead * len(changed))
         self._cores.burst(start, start + wall, 1, self)
         self.shell_busy_until = start + wall
-        per_row = wall / n if n else 0.0
+        per_row = wall / len(changed) if changed else 0.0
         for i, req in enumerate(changed):
             sent = start + (i + 1) * per_row  # this row's token leaves the worker
             if req.status == RequestStatus.FINISHED_REMOTE_DECODE:
@@ -228,10 +222,9 @@ class SimWorker:
                 self.hooks.on_handoff(req, final)
                 assert final.kv_transfer_params is not None
                 self.loop.at(sent, partial(self._cb.on_handoff, self, req,
-                                           final.kv_transfer_params, n))  # fmt: skip
+                                           final.kv_transfer_params))  # fmt: skip
             else:
-                self.loop.at(sent, partial(self._cb.on_output, self, req, True, req.is_finished,
-                                           n))  # fmt: skip
+                self.loop.at(sent, partial(self._cb.on_output, self, req, True, req.is_finished))
         self._events()
         self.busy = False
         self._step()

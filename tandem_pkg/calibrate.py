@@ -15,14 +15,6 @@ the steps themselves. Measured, with the profile's step model subtracted:
   and its half of the KV transfer); and this process's own CPU, the client's, per request and
   per token (``client_request_cpu``, ``client_token_cpu``), for runs whose load generator shares
   the machine;
-- the same OSL-token requests from an asyncio client, one stream at a time and then
-  ``BURST_STREAMS`` at once: a step's tokens then leave together, and each loop (the worker's
-  streaming thread, the router's, the client's) wakes once for all of them. Per token, the
-  difference (less the worker's decode step batching, which the step model has) is the part
-  of a lone token's CPU paid once per burst (``row_burst_seconds``, ``router_burst_cpu``,
-  ``client_burst_cpu``), taken out of the per-token figures. Measured on this machine (demo
-  model, colocated): the router's CPU per token 0.27-0.31 ms at one stream, 0.15 ms at eight;
-  the client's 0.17-0.21 ms and 0.12 ms;
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
   token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
   thread, so its rows are off the step's path); the first token minus the predicted prefill
@@ -47,7 +39,6 @@ stretch no longer sets the profile.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
@@ -58,7 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -73,8 +64,6 @@ ISL, OSL = 32, 32
 CPU_REQUESTS = 100  # per phase: CPU time to split per request and per token; stable quantiles
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
-BURST_STREAMS = 8  # concurrent streams whose tokens leave each step together (a burst of 8)
-BURST_REQUESTS = 48  # per phase of the burst measurement (1 stream, then BURST_STREAMS)
 
 
 def _stream(
@@ -227,10 +216,6 @@ class ServingSample:
     cpu_long: dict[str, float]
     cpu_short: dict[str, float]
     cpu_pd: dict[str, float]
-    # The same OSL-token requests from an asyncio client, one stream at a time and then
-    # BURST_STREAMS at once (empty: not measured).
-    cpu_one: dict[str, float] = field(default_factory=dict)
-    cpu_many: dict[str, float] = field(default_factory=dict)
 
 
 def measure_serving(
@@ -274,49 +259,14 @@ def measure_serving(
 
             cpu_long = _cpu_per_request(up, serial(up, alone))
             cpu_short = _cpu_per_request(up, one_token)
-            cpu_one = _cpu_per_request(up, lambda: _concurrent(up, model, prompt, 1))
-            cpu_many = _cpu_per_request(up, lambda: _concurrent(up, model, prompt, BURST_STREAMS))
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
             cpu_pd = _cpu_per_request(up, serial(up, pd))
     return ServingSample(
         alone=tuple(tuple(t) for t in alone), pd=tuple(tuple(t) for t in pd),
-        cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd, cpu_one=cpu_one,
-        cpu_many=cpu_many,
+        cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd,
     )  # fmt: skip
-
-
-def _concurrent(up: LocalUp, model: str, prompt: Callable[[], list[int]], streams: int) -> int:
-    """BURST_REQUESTS requests of OSL tokens from an asyncio httpx client (as a load
-    generator's), ``streams`` at a time; returns how many were sent."""
-
-    async def run() -> None:
-        body = {"model": model, "max_tokens": OSL, "temperature": 0.0, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        gate = asyncio.Semaphore(streams)
-        async with httpx.AsyncClient(timeout=120) as client:
-
-            async def one(p: list[int]) -> None:
-                url = f"{up.url}/v1/completions"
-                async with gate, client.stream("POST", url, json=body | {"prompt": p}) as r:
-                    r.raise_for_status()
-                    async for _ in r.aiter_lines():
-                        pass
-
-            await asyncio.gather(*(one(prompt()) for _ in range(BURST_REQUESTS)))
-
-    asyncio.run(run())
-    return BURST_REQUESTS
-
-
-def burst_part(one: float, many: float, streams: int, lone: float) -> float:
-    """The part of a lone token's CPU ``lone`` that is paid once per burst of tokens leaving a
-    step together: per token t + b with one stream and t + b / ``streams`` with ``streams``
-    (``one`` - ``many`` = b (1 - 1 / streams)); clamped to [0, ``lone``]."""
-    if streams < 2 or lone <= 0.0:
-        return 0.0
-    return min(lone, max(0.0, (one - many) * streams / (streams - 1)))
 
 
 def _mean_cpu(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -379,25 +329,6 @@ def serving_cost(
     p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
     prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
     decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
-    # Bursts: the same requests one stream at a time and BURST_STREAMS at once differ per
-    # token by what the loops' wake-ups share (the worker's also by its decode step's batching,
-    # which the step model has already).
-    one = _mean_cpu([s.cpu_one for s in segments if s.cpu_one])
-    many = _mean_cpu([s.cpu_many for s in segments if s.cpu_many])
-
-    def per_token(cpu: dict[str, float], key: str) -> float:
-        return cpu.get(key, 0.0) / (OSL - 1)
-
-    def burst(key: str, lone: float, step_saving: float = 0.0) -> float:
-        if key not in one or key not in many:
-            return 0.0
-        return burst_part(per_token(one, key) - step_saving, per_token(many, key), BURST_STREAMS,
-                          lone)  # fmt: skip
-
-    decode_many = step.step_seconds([(1, ISL + OSL // 2)] * BURST_STREAMS) / BURST_STREAMS
-    router_burst = burst(ROUTER, router_token)
-    client_burst = burst(CLIENT, client_token)
-    row_burst = burst("colocated", row, (decode1 - decode_many) * threads)
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
     # the step and the step's own overhead.
     step_overhead = max(0.0, itl_median - decode1)
@@ -421,17 +352,14 @@ def serving_cost(
         token_seconds=round(router - request_part, 6),
         handoff_seconds=round(max(0.0, handoff_gap - predicted), 6),
         step_seconds=round(step_overhead, 6),
-        row_seconds=round(row - row_burst, 7),
+        row_seconds=round(row, 7),
         router_request_cpu=round(router_request, 6),
-        router_token_cpu=round(router_token - router_burst, 7),
+        router_token_cpu=round(router_token, 7),
         worker_request_cpu=round(worker_request, 6),
         prefill_request_cpu=round(prefill_request, 6),
         decode_request_cpu=round(decode_request, 6),
         client_request_cpu=round(client_request, 6),
-        client_token_cpu=round(client_token - client_burst, 7),
-        row_burst_seconds=round(row_burst, 7),
-        router_burst_cpu=round(router_burst, 7),
-        client_burst_cpu=round(client_burst, 7),
+        client_token_cpu=round(client_token, 7),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

@@ -118,14 +118,6 @@ class ServingCost:
     decode_request_cpu: float = 0.0  # on a decode worker, with its pull
     client_request_cpu: float = 0.0
     client_token_cpu: float = 0.0
-    # What streaming a step's tokens together saves (measured with concurrent streams): each of
-    # the three per-token figures above is split into a part per token and a part per burst of
-    # tokens that arrive together (a worker's step's rows: one wake-up of its streaming thread,
-    # of the router's and the client's event loops for all of them). A lone request's token is a
-    # burst of one and costs both. 0: not measured, every token costs the per-token figure.
-    row_burst_seconds: float = 0.0
-    router_burst_cpu: float = 0.0
-    client_burst_cpu: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -222,8 +214,6 @@ class Profile:
                 "decode_request_cpu": s.decode_request_cpu,
                 "client_request_cpu": s.client_request_cpu,
                 "client_token_cpu": s.client_token_cpu,
-                "row_burst_seconds": s.row_burst_seconds,
-                "router_burst_cpu": s.router_burst_cpu, "client_burst_cpu": s.client_burst_cpu,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -389,9 +379,6 @@ def profile_from_dict(data: Any) -> Profile:
                 "decode_request_cpu",
                 "client_request_cpu",
                 "client_token_cpu",
-                "row_burst_seconds",
-                "router_burst_cpu",
-                "client_burst_cpu",
                 "pace_seconds",
             )  # fmt: skip
         },

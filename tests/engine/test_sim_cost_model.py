@@ -17,7 +17,7 @@ from tandem.engine.sim.cost_model import (
     relative_errors,
     step_features,
 )
-from tandem.engine.sim.profile import ServingCost, load_profile, profile_from_dict
+from tandem.engine.sim.profile import load_profile, profile_from_dict
 from tandem.engine.sim.tokens import next_token
 
 
@@ -60,11 +60,7 @@ def test_transfer_cost_names_the_missing_transport() -> None:
 
 
 def test_profile_round_trips_through_json(tmp_path: Path) -> None:
-    # Serving figures off their defaults, the per-burst ones included.
-    serving = ServingCost(row_seconds=1e-4, router_token_cpu=5e-5, row_burst_seconds=2e-4,
-                          router_burst_cpu=3e-4, client_burst_cpu=4e-5)  # fmt: skip
-    profile = synthetic_profile(execute=(0.002, 1e-5, 3e-5, 0, 1e-9, 1e-9, 2e-8), num_blocks=99,
-                                serving=serving)  # fmt: skip
+    profile = synthetic_profile(execute=(0.002, 1e-5, 3e-5, 0, 1e-9, 1e-9, 2e-8), num_blocks=99)
     path = tmp_path / "p.json"
     profile.save(path)
     again = load_profile(path)

@@ -12,7 +12,6 @@ from sim_profiles import synthetic_profile
 from tandem.calibrate import (
     OSL,
     ServingSample,
-    burst_part,
     children_cpu,
     process_cpu,
     quantiles,
@@ -105,48 +104,6 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.token_seconds == pytest.approx(served - request, abs=1e-6)
     # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
-    # No concurrent streams measured: every token is its own burst.
-    assert cost.router_burst_cpu == cost.client_burst_cpu == cost.row_burst_seconds == 0.0
-
-
-def test_serving_cost_splits_a_lone_tokens_cpu_into_per_token_and_per_burst_parts() -> None:
-    # The step model of the test above: a decode step of one row 2.01 ms, of 8 rows 2.08 ms
-    # (0.26 ms a row). A lone token costs the router 0.2 ms, the client 0.1 ms and the worker
-    # 0.3 ms beyond its step; of that, 0.12, 0.06 and 0.2 ms are paid once per burst.
-    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
-    decode1, decode8 = 0.00201, 0.00208 / 8
-    lone = {"router": 0.0002, "client": 0.0001, "colocated": 0.0003}
-    per_burst = {"router": 0.00012, "client": 0.00006, "colocated": 0.0002}
-    start = {"router": 0.003, "client": 0.001, "colocated": 0.00332}
-    step = {"router": 0.0, "client": 0.0}
-
-    def cpu(streams: int, tokens_step: float) -> dict[str, float]:
-        out = {}
-        for k in lone:
-            token = lone[k] - per_burst[k] + per_burst[k] / streams
-            out[k] = start[k] + 31 * (token + step.get(k, tokens_step))
-        return out
-
-    sample = ServingSample(
-        alone=_answers(0.008, decode1 + 0.0005, 10), pd=_answers(0.02, 0.01, 5),
-        cpu_long=cpu(1, decode1), cpu_short=dict(start), cpu_pd={},
-        cpu_one=cpu(1, decode1), cpu_many=cpu(8, decode8),
-    )  # fmt: skip
-    cost = serving_cost(profile, [sample], "tcp")
-    assert cost.router_burst_cpu == pytest.approx(0.00012, abs=1e-7)
-    assert cost.router_token_cpu == pytest.approx(0.00008, abs=1e-7)
-    assert cost.client_burst_cpu == pytest.approx(0.00006, abs=1e-7)
-    assert cost.client_token_cpu == pytest.approx(0.00004, abs=1e-7)
-    # The worker's 8 streams also batch their decode steps: that saving is the step model's.
-    assert cost.row_burst_seconds == pytest.approx(0.0002, abs=1e-7)
-    assert cost.row_seconds == pytest.approx(0.0001, abs=1e-7)
-
-
-def test_burst_part_is_clamped_to_what_a_lone_token_costs() -> None:
-    assert burst_part(0.3, 0.3 - 0.2 * 7 / 8, 8, 0.3) == pytest.approx(0.2)
-    assert burst_part(0.2, 0.3, 8, 0.3) == 0.0  # concurrent streams cost more: no burst part
-    assert burst_part(0.9, 0.0, 8, 0.3) == 0.3  # never more than the lone token's cost
-    assert burst_part(0.3, 0.1, 1, 0.3) == 0.0  # one stream says nothing about bursts
 
 
 def test_serving_cost_of_no_complete_answers_is_refused() -> None:

@@ -204,30 +204,6 @@ def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
     assert run(rows, 1)[1] == pytest.approx(busy + (busy - 0.0116), rel=0.05)
 
 
-def test_a_steps_tokens_share_the_per_burst_cpu_of_every_loop() -> None:
-    # The streaming test's four streams (rows per step: 1, 4, 4, 4, 4, 4, 3), with a lone
-    # token's 20 ms of streaming split into 5 ms a row and 15 ms a burst (the thread's wake-up
-    # for all of a step's rows), and the router's and client's 1 ms a token into 0.25 ms a
-    # token and 0.75 ms a burst.
-    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
-                 arrival=Arrival.CONSTANT)  # fmt: skip
-    split = replace(BASE, row_seconds=0.005, row_burst_seconds=0.015,
-                    router_token_cpu=0.00025, router_burst_cpu=0.00075,
-                    client_token_cpu=0.00025, client_burst_cpu=0.00075)  # fmt: skip
-    options = SimOptions(shared_cores=None, variability=False, client_shares_cores=True)
-    sim = run_simulation(replace(PROFILE, serving=split), w, Deployment(0, 1), options)
-    traces = sim.result.traces
-    span = max(t.last_token for t in traces) - min(t.first_token for t in traces)
-    # The first token leaves after its lone burst (20 ms); the streaming thread then runs
-    # without a break (35 ms a 4-row step, longer than a step): five 4-row bursts and one of
-    # 3 rows (30 ms), where 20 ms a row would take 23 x 20 ms.
-    assert span == pytest.approx(5 * 0.035 + 0.03)
-    # The loops: 0.25 ms for each of the 24 tokens and 0.75 ms for each of the 7 bursts.
-    assert sim.router.loops[0].busy_seconds == pytest.approx(24 * 0.00025 + 7 * 0.00075)
-    assert sim.router.client is not None
-    assert sim.router.client.busy_seconds == pytest.approx(24 * 0.00025 + 7 * 0.00075)
-
-
 def test_shared_cores_are_processor_shared_over_the_overlap_only() -> None:
     ms = 1e-3
     # Nothing beside it, or no more threads than cores: the step's own time.
