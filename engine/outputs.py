@@ -6,6 +6,7 @@ Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerO
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
@@ -63,6 +64,43 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTimings:
+    """Where a request's time went on this engine (``time.monotonic()`` seconds), carried by its
+    final EngineOutput: arrival (the worker's HTTP handler, or ``add_request``), first admission
+    by the scheduler, the first token this engine sampled (None: none), the end. A decode
+    worker's request is admitted when its KV pull starts; its first token is its first decode
+    step's. Read by the worker's latency histograms (engine/worker/metrics.py)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+
+    @classmethod
+    def of(cls, req: Request, now: float) -> RequestTimings:
+        return cls(
+            req.arrival_time,
+            req.first_scheduled_time or None,
+            req.first_token_time or None,
+            now,
+        )
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Arrival to first admission (None: never admitted)."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def first_token_seconds(self) -> float | None:
+        """Arrival to the first token sampled here (None: none was)."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def total_seconds(self) -> float:
+        return self.finished - self.arrival
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """What one request produced in one step (a delta of token ids), or its end. Text is made
@@ -81,6 +119,7 @@ class EngineOutput:
     error: str | None = None
     # Prefill role: where the decode worker pulls this request's KV from (wire dict).
     kv_transfer_params: dict[str, Any] | None = None
+    timings: RequestTimings | None = None  # on a finished output (and only there)
 
 
 def request_outputs(
@@ -89,7 +128,8 @@ def request_outputs(
     """Each request's step output: its newest token (``new_token``) and that token's logprobs if
     sampled, plus its state (finish reason, counts, error). One comprehension: at 256 decoding
     sequences a function call per request was a sixth of the engine thread's time."""
-    fin, out = RequestStatus.FINISHED_STOPPED, EngineOutput
+    fin, out, timed = RequestStatus.FINISHED_STOPPED, EngineOutput, RequestTimings.of
+    now = time.monotonic()  # the end of every request that finishes here
     return [
         out(
             r.request_id,
@@ -103,6 +143,8 @@ def request_outputs(
             len(r.prompt_token_ids),
             max(r.num_cached_tokens, 0),
             r.error,
+            None,
+            timed(r, now) if status >= fin else None,
         )
         for r in reqs
     ]

@@ -62,7 +62,8 @@ class Request:
         "generator", "group_id", "group_index", "max_tokens", "block_size", "status",
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "num_preemptions", "stop_reason", "waited_steps",
-        "prompt_done_once", "remote_decode", "kv_transfer_params", "error",
+        "prompt_done_once", "remote_decode", "kv_transfer_params", "error", "first_scheduled_time",
+        "first_token_time",
     )  # fmt: skip
 
     def __init__(
@@ -108,6 +109,10 @@ class Request:
         self.remote_decode = False
         self.kv_transfer_params: KVTransferParams | None = None
         self.error: str | None = None
+        # time.monotonic() when the scheduler first admitted it and when this engine sampled its
+        # first token (0.0: not yet); the worker's latency histograms read them at its end.
+        self.first_scheduled_time = 0.0
+        self.first_token_time = 0.0
         self._update_block_hashes()
 
     @property

@@ -22,6 +22,7 @@ a prefix match that continues into the tier, or a swapped-out request resuming, 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from tandem.engine.block_pool import KVCacheBlock
@@ -163,6 +164,10 @@ class Scheduler:
             self._add_scheduled(out, req, num_new)
             budget -= num_new
         if admitted:
+            now = time.monotonic()
+            for req in admitted:
+                if not req.first_scheduled_time:  # a preempted request keeps its first
+                    req.first_scheduled_time = now
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         return budget
@@ -323,6 +328,8 @@ class Scheduler:
                 if not s.sample:
                     continue
                 req.prompt_done_once = True
+                if not req.first_token_time:
+                    req.first_token_time = time.monotonic()
                 token = next(sampled)
                 req.append_output_token(token)
                 add(req)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -252,6 +253,7 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
 
     @app.post("/v1/internal/generate")
     async def generate(request: Request) -> Response:
+        arrival = time.monotonic()  # the worker's latency histograms count from here
         s = svc(request)
         if s.draining or not s.thread.alive:
             return _unavailable(
@@ -273,7 +275,7 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         s.thread.subscribe(greq.request_id, queue.put_nowait)  # run on this loop (post)
         try:
-            await asyncio.wrap_future(s.thread.call(lambda e: s.submit(greq)))
+            await asyncio.wrap_future(s.thread.call(lambda e: s.submit(greq, arrival)))
         except BadRequest as exc:
             s.thread.unsubscribe(greq.request_id)
             return _error(400, str(exc), exc.param)
@@ -300,6 +302,7 @@ def create_app(config: WorkerConfig, role: WorkerRole) -> FastAPI:
                         break
                     if out.finished:
                         remaining -= 1
+                        s.latency.observe(out.timings)
                     yield encode_chunk(out)
             finally:
                 s.thread.unsubscribe(greq.request_id)

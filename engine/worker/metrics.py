@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.engine.outputs import EngineStats
+from tandem.engine.outputs import EngineStats, RequestTimings
+
+# A worker's phases are shorter than the router's whole request: finer at the low end.
+_PHASE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_TOTAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
 class EngineCollector(Collector):
@@ -102,3 +109,40 @@ def worker_registry(
     registry = CollectorRegistry()
     registry.register(EngineCollector(stats, counters, model, role))
     return registry
+
+
+class RequestLatency:
+    """Where a worker's requests spend their time, observed as each one ends (its final output's
+    ``RequestTimings``), labelled ``model`` and ``role``. Beside the router's end-to-end TTFT
+    they split a slow first token between the worker (queue, compute) and the serving path.
+    Owned by the WorkerService; ``observe`` runs on the event loop, in each request's stream."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, role: str) -> None:
+        labels = ["model", "role"]
+        self.queue = Histogram(
+            "tandem_worker_queue_time_seconds",
+            "Arrival at the worker to first admission by its scheduler (decode: the KV pull "
+            "starts)",
+            labels, buckets=_PHASE_BUCKETS, registry=registry,
+        ).labels(model, role)  # fmt: skip
+        self.first_token = Histogram(
+            "tandem_worker_time_to_first_token_seconds",
+            "Arrival at the worker to the first token it sampled (prefill: the hand-off token; "
+            "decode: after the KV pull, its first step)",
+            labels, buckets=_PHASE_BUCKETS, registry=registry,
+        ).labels(model, role)  # fmt: skip
+        self.total = Histogram(
+            "tandem_worker_request_duration_seconds",
+            "Arrival at the worker to the request's end there",
+            labels, buckets=_TOTAL_BUCKETS, registry=registry,
+        ).labels(model, role)  # fmt: skip
+
+    def observe(self, timings: RequestTimings | None) -> None:
+        if timings is None:
+            return
+        queue, first = timings.queue_seconds, timings.first_token_seconds
+        if queue is not None:
+            self.queue.observe(queue)
+        if first is not None:
+            self.first_token.observe(first)
+        self.total.observe(timings.total_seconds)

@@ -23,7 +23,7 @@ from tandem.engine.resume import continue_sequence
 from tandem.engine.sim.profile import Profile
 from tandem.engine.worker.engine_thread import EngineThread
 from tandem.engine.worker.kv_publisher import KVEventPublisher
-from tandem.engine.worker.metrics import worker_registry
+from tandem.engine.worker.metrics import RequestLatency, worker_registry
 from tandem.engine.worker.protocol import GenerateRequest, QueueFull
 from tandem.engine.worker.role import RoleContext, WorkerRole
 
@@ -72,6 +72,7 @@ class WorkerService:
         self.registry = worker_registry(
             lambda: self.thread.stats, self._counters, self.model_name, role.role.label
         )
+        self.latency = RequestLatency(self.registry, self.model_name, role.role.label)
         layout = parts.layout
         self.fingerprint = fingerprint.compute(
             parts.model_path, layout.dtype, layout.block_size, layout.num_layers,
@@ -109,10 +110,10 @@ class WorkerService:
     def _after_step(self, engine: Engine) -> None:
         self.events.publish(engine.take_kv_events())
 
-    def submit(self, req: GenerateRequest) -> list[Request]:
+    def submit(self, req: GenerateRequest, arrival_time: float | None = None) -> list[Request]:
         """On the engine thread: build, role-check and queue; ValueError (or QueueFull) leaves
-        nothing queued."""
-        return submit(self.engine, self.role, req, self.max_waiting)
+        nothing queued. ``arrival_time``: when the HTTP handler got it (``time.monotonic()``)."""
+        return submit(self.engine, self.role, req, self.max_waiting, arrival_time)
 
     def info(self) -> dict[str, Any]:
         """The registration body (docs/internal-api.md WorkerInfo)."""
@@ -152,7 +153,11 @@ class WorkerService:
 
 
 def submit(
-    engine: Engine, role: WorkerRole, req: GenerateRequest, max_waiting: int | None = None
+    engine: Engine,
+    role: WorkerRole,
+    req: GenerateRequest,
+    max_waiting: int | None = None,
+    arrival_time: float | None = None,
 ) -> list[Request]:
     """Build the request(s), let the role apply its fields, queue them (engine thread only).
 
@@ -161,7 +166,11 @@ def submit(
     is aborted whole.
     """
     reqs = engine.make_requests(
-        req.request_id, req.prompt_token_ids, req.params, priority=req.priority
+        req.request_id,
+        req.prompt_token_ids,
+        req.params,
+        priority=req.priority,
+        arrival_time=arrival_time,
     )
     waiting = len(engine.scheduler.waiting)
     if max_waiting is not None and waiting + len(reqs) > max_waiting:

@@ -4,6 +4,8 @@ it holds the step's tokens even when read after later steps; a step where one en
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.engine.engine import Engine
@@ -78,3 +80,31 @@ def test_a_snapshot_keeps_its_step_tokens_after_the_requests_move_on(engine: Eng
         for o in engine.step():
             eager[o.request_id] += o.new_token_ids
     assert eager == {rid: read[rid] + tokens[rid] for rid in PROMPTS}
+
+
+def test_a_final_output_carries_where_the_request_spent_its_time() -> None:
+    # One sequence at a time: "b" waits in the queue while "a" runs to its end.
+    eng = Engine(build_engine_config("demo", num_blocks=NUM_BLOCKS, max_num_seqs=1))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    t0 = time.monotonic()
+    eng.add_request("a", PROMPTS["a"], params)
+    eng.add_request("b", PROMPTS["b"], params)
+    eng.add_request("c", PROMPTS["c"], params)
+    finals: dict[str, EngineOutput] = {}
+    while "b" not in finals:
+        for out in eng.step():
+            assert (out.timings is not None) == out.finished  # on a final output alone
+            if out.finished:
+                finals[out.request_id] = out
+    (aborted,) = eng.abort(["c"])  # still waiting: never admitted, no token
+    a, b, c = finals["a"].timings, finals["b"].timings, aborted.timings
+    assert a is not None and b is not None and c is not None
+    for t in (a, b):
+        assert t0 <= t.arrival <= t.first_scheduled <= t.first_token <= t.finished  # type: ignore[operator]
+    assert b.first_scheduled >= a.finished  # type: ignore[operator]
+    assert b.queue_seconds == b.first_scheduled - b.arrival  # type: ignore[operator]
+    assert b.first_token_seconds == b.first_token - b.arrival  # type: ignore[operator]
+    assert c.first_scheduled is None and c.first_token is None
+    assert c.queue_seconds is None and c.first_token_seconds is None
+    assert c.total_seconds == c.finished - c.arrival >= 0
+    assert eng.pool.num_free_blocks == NUM_BLOCKS

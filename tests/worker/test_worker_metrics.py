@@ -1,11 +1,13 @@
-"""The worker's engine collector: preemptions by mode and the host tier's metrics, exactly."""
+"""The worker's metrics, exactly: the engine collector's preemptions by mode and host tier, and
+the request latency histograms."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
-from tandem.engine.outputs import EngineStats, HostTierStats
-from tandem.engine.worker.metrics import worker_registry
+from tandem.engine.outputs import EngineStats, HostTierStats, RequestTimings
+from tandem.engine.worker.metrics import RequestLatency, worker_registry
 
 COUNTERS = {"prompt_tokens": 11, "generation_tokens": 22}
 LABELS = {"model": "demo", "role": "colocated"}
@@ -44,3 +46,25 @@ def test_host_tier_metrics_appear_with_a_tier() -> None:
     failures = "tandem_kv_host_tier_integrity_failures_total"
     assert reg.get_sample_value(failures, {**LABELS, "reason": "hash_mismatch"}) == 1
     assert reg.get_sample_value(failures, {**LABELS, "reason": "checksum_mismatch"}) == 2
+
+
+def test_request_latency_observes_each_phase_exactly() -> None:
+    reg = registry(None)
+    latency = RequestLatency(reg, "demo", "prefill")
+    labels = {"model": "demo", "role": "prefill"}
+    latency.observe(RequestTimings(10.0, 10.004, 10.01, 10.5))
+    latency.observe(RequestTimings(20.0, None, None, 20.002))  # aborted while it waited
+    latency.observe(None)  # an output without timings changes nothing
+
+    def value(name: str, suffix: str, le: str | None = None) -> float | None:
+        extra = {} if le is None else {"le": le}
+        return reg.get_sample_value(f"{name}_{suffix}", {**labels, **extra})
+
+    assert value("tandem_worker_queue_time_seconds", "count") == 1
+    assert value("tandem_worker_queue_time_seconds", "sum") == pytest.approx(0.004)
+    assert value("tandem_worker_queue_time_seconds", "bucket", "0.0025") == 0
+    assert value("tandem_worker_queue_time_seconds", "bucket", "0.005") == 1
+    assert value("tandem_worker_time_to_first_token_seconds", "count") == 1
+    assert value("tandem_worker_time_to_first_token_seconds", "sum") == pytest.approx(0.01)
+    assert value("tandem_worker_request_duration_seconds", "count") == 2
+    assert value("tandem_worker_request_duration_seconds", "sum") == pytest.approx(0.502)
