@@ -19,7 +19,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from plan_validation import DEPLOYMENTS, Row, _predict, case_workload, table, workloads
+from plan_report import Row, table
+from plan_validation import DEPLOYMENTS, _simulate, case_workload, workloads
 
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
@@ -37,17 +38,20 @@ def resimulate(run: Path, cores: int) -> list[Row]:
     rows = []
     for r in json.loads((run / "results.json").read_text()):
         rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
-                  "cpu_rounds")  # fmt: skip
+                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds")  # fmt: skip
         row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
         w = case_workload(row.rate, isl, osl, row.requests)
         p, d = DEPLOYMENTS[row.deployment]
-        preds = [_predict(path, w, p, d, cores, simulated=False) for path in paths]
-        t, i = tuple(x[0] for x in preds), tuple(x[1] for x in preds)
+        sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
+        t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
+        front = "prefill" if p else "colocated"
+        worker = tuple(x.pools[front].first_token.p90 for x in sims)
+        worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
         rows.append(replace(
             row, predicted_ttft_p90=statistics.median(t), predicted_itl_p90=statistics.median(i),
-            predicted_ttft_rounds=t, predicted_itl_rounds=i,
+            predicted_ttft_rounds=t, predicted_itl_rounds=i, predicted_worker_ttft_rounds=worker,
         ))  # fmt: skip
     return rows
 

@@ -33,72 +33,22 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
+from benchlib.metrics import histogram_quantile, scrape
+from plan_report import Row, plot, table
 from replay_load import Measured, replay
 
 from tandem.calibrate import LocalUp, children_cpu
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
-from tandem.planner.metrics import Percentiles
+from tandem.planner.metrics import Percentiles, SimResult
 from tandem.planner.simulator import Deployment, SimOptions, simulate
 from tandem.planner.workload import Arrival, Lengths, Workload, generate
 
 DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    model: str
-    workload: str
-    load: str
-    rate: float
-    deployment: str
-    requests: int
-    measured_ttft_p90: float
-    predicted_ttft_p90: float
-    measured_itl_p90: float
-    predicted_itl_p90: float
-    failed: int
-    # Each round's measured p90s (the measured figures above are their medians).
-    ttft_rounds: tuple[float, ...] = ()
-    itl_rounds: tuple[float, ...] = ()
-    # Each round's prediction, from the profile made before it (one profile: all the same; the
-    # predicted figures above are their medians).
-    predicted_ttft_rounds: tuple[float, ...] = ()
-    predicted_itl_rounds: tuple[float, ...] = ()
-    # Each round's CPU seconds per request, every `tandem up` process and the client together,
-    # over the timed replay: the same requests each round, so its spread is the machine's pace
-    # between rounds (a run saved before it was recorded has none).
-    cpu_rounds: tuple[float, ...] = ()
-
-    @property
-    def ttft_error(self) -> float:
-        return self.predicted_ttft_p90 / self.measured_ttft_p90 - 1
-
-    @property
-    def itl_error(self) -> float:
-        return self.predicted_itl_p90 / self.measured_itl_p90 - 1
-
-    @property
-    def rounds_within(self) -> int:
-        """Rounds whose own measured p90s are both within 25 % of that round's prediction."""
-        pt = self.predicted_ttft_rounds or (self.predicted_ttft_p90,) * len(self.ttft_rounds)
-        pi = self.predicted_itl_rounds or (self.predicted_itl_p90,) * len(self.itl_rounds)
-        return sum(
-            abs(t / mt - 1) <= 0.25 and abs(i / mi - 1) <= 0.25
-            for mt, mi, t, i in zip(self.ttft_rounds, self.itl_rounds, pt, pi, strict=True)
-        )
-
-    def first_profile(self) -> Row:
-        """This row judged on the first round's profile alone (the single-profile figures)."""
-        if not self.predicted_ttft_rounds:
-            return self
-        t, i = self.predicted_ttft_rounds[0], self.predicted_itl_rounds[0]
-        n = len(self.ttft_rounds)
-        return replace(self, predicted_ttft_p90=t, predicted_itl_p90=i,
-                       predicted_ttft_rounds=(t,) * n, predicted_itl_rounds=(i,) * n)  # fmt: skip
+WORKER_TTFT = "tandem_worker_time_to_first_token_seconds"  # engine/worker/metrics.py
 
 
 def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
@@ -148,17 +98,22 @@ def _p90(values: list[float]) -> float:
     return Percentiles.of(values).p90
 
 
-def _predict(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
-             simulated: bool) -> tuple[float, float]:  # fmt: skip
-    """The simulator's client-view (TTFT p90, ITL p90) for ``w`` on ``p``P``d``D."""
+def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
+              simulated: bool) -> SimResult:  # fmt: skip
+    """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``)."""
     dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
     # Simulated workers wait their steps: they share no cores in the simulator. The replay
     # client runs on the same cores as the workers.
     shared = None if simulated else cores
     options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
                          client_shares_cores=True)  # fmt: skip
-    sim = simulate(load_profile(profile_path), w, dep, options)
-    return sim.ttft.p90, sim.itl.p90
+    return simulate(load_profile(profile_path), w, dep, options)
+
+
+def _front_metrics(up: LocalUp, p: int) -> str:
+    """The metrics URL of the worker whose first token the client sees (prefill in P/D)."""
+    role = "prefill" if p else "colocated"
+    return next(w["url"] for w in up.workers() if w["role"] == role) + "/metrics"
 
 
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
@@ -186,8 +141,10 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             w = case_workload(rate, isl, osl, n)
             for dname, (p, d) in DEPLOYMENTS.items():
                 cases.append((wname, lname, rate, dname, p, d, w))
-    measured: dict[int, list[tuple[float, float, int, float]]] = {i: [] for i in range(len(cases))}
-    predicted: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(cases))}
+    measured: dict[int, list[tuple[float, float, int, float, float]]] = {
+        i: [] for i in range(len(cases))
+    }
+    predicted: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(cases))}
     round_profile = profile_path
     for rnd in range(repeats):
         if rnd and reprofile is not None:
@@ -205,16 +162,20 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
                 args += ["--simulate", str(round_profile)]
             with LocalUp(args, p + d, logs) as up:
                 replay(up.url, model, warm)  # tandem up serves --model under that name
-                before, own = children_cpu(up.proc.pid), time.process_time()
+                front = _front_metrics(up, p)
+                hist0, before, own = scrape(front), children_cpu(up.proc.pid), time.process_time()
                 got: list[Measured] = replay(up.url, model, reqs)
                 after, own = children_cpu(up.proc.pid), time.process_time() - own
+                worker_ttft = histogram_quantile(0.9, hist0, scrape(front), WORKER_TTFT)
             ok = [m for m in got if m.error is None]
             ttft = _p90([m.ttft for m in ok if m.ttft is not None])
             itl = _p90([m.itl for m in ok if m.itl is not None])
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
-            measured[i].append((ttft, itl, len(got) - len(ok), cpu))
-            predicted[i].append(_predict(round_profile, w, p, d, cores, simulated))
-            pt, pi = predicted[i][-1]
+            measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft))
+            sim = _simulate(round_profile, w, p, d, cores, simulated)
+            front_pool = sim.pools["prefill" if p else "colocated"]
+            predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90))
+            pt, pi, _ = predicted[i][-1]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
                   f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request",
@@ -232,6 +193,8 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             predicted_itl_p90=statistics.median(p_itls), failed=sum(m[2] for m in measured[i]),
             ttft_rounds=ttfts, itl_rounds=itls, predicted_ttft_rounds=p_ttfts,
             predicted_itl_rounds=p_itls, cpu_rounds=tuple(m[3] for m in measured[i]),
+            worker_ttft_rounds=tuple(m[4] for m in measured[i]),
+            predicted_worker_ttft_rounds=tuple(m[2] for m in predicted[i]),
         )  # fmt: skip
         rows.append(row)
         print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
@@ -239,83 +202,6 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
               f"({row.ttft_error:+.0%}), ITL p90 {row.measured_itl_p90:.4f} s vs "
               f"{row.predicted_itl_p90:.4f} ({row.itl_error:+.0%})", flush=True)  # fmt: skip
     return rows
-
-
-def _span(values: tuple[float, ...], scale: float, unit: str, digits: int) -> str:
-    if len(values) < 2:
-        return ""
-    return f" ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f} {unit})"
-
-
-def _within(rows: list[Row]) -> tuple[int, int, int]:
-    """(cases whose median errors are both within 25 %, single runs within against their own
-    round's prediction, single runs)."""
-    cases = sum(abs(r.ttft_error) <= 0.25 and abs(r.itl_error) <= 0.25 for r in rows)
-    return cases, sum(r.rounds_within for r in rows), sum(len(r.ttft_rounds) for r in rows)
-
-
-def table(rows: list[Row]) -> str:
-    cpu = any(r.cpu_rounds for r in rows)
-    lines = [
-        "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured (rounds) /"
-        " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |"
-        + (" CPU per request (rounds) |" if cpu else ""),
-        "| --- | --- | --- | ---: | --- | --- | --- |" + (" --- |" if cpu else ""),
-    ]
-    for r in rows:
-        spent = " |" if cpu else ""  # a run saved before CPU was recorded: an empty cell
-        if r.cpu_rounds:
-            mid = statistics.median(r.cpu_rounds) * 1e3
-            spent = f" {mid:.1f} ms{_span(r.cpu_rounds, 1e3, 'ms', 1)} |"
-        lines.append(
-            f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
-            f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
-            f"{r.predicted_ttft_p90:.3f} s{_span(r.predicted_ttft_rounds, 1, 's', 3)} "
-            f"({r.ttft_error:+.0%}) | "
-            f"{r.measured_itl_p90 * 1e3:.2f} ms{_span(r.itl_rounds, 1e3, 'ms', 2)} / "
-            f"{r.predicted_itl_p90 * 1e3:.2f} ms{_span(r.predicted_itl_rounds, 1e3, 'ms', 2)} "
-            f"({r.itl_error:+.0%}) |{spent}"
-        )
-    within, single, runs = _within(rows)
-    lines.append(
-        f"\n{within} of {len(rows)} cases have both errors within 25 % against the median of "
-        f"their rounds; {single} of {runs} single runs do (each against its own round's "
-        f"prediction)."
-    )
-    if any(len(set(r.predicted_ttft_rounds)) > 1 for r in rows):
-        within, single, runs = _within([r.first_profile() for r in rows])
-        lines.append(
-            f"With the first round's profile alone: {within} of {len(rows)} cases; {single} of "
-            f"{runs} single runs."
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, metric, unit in ((axes[0], "ttft", "s"), (axes[1], "itl", "s")):
-        xs = [getattr(r, f"measured_{metric}_p90") for r in rows]
-        ys = [getattr(r, f"predicted_{metric}_p90") for r in rows]
-        for dep, marker in (("colocated", "o"), ("1P1D", "s")):
-            pts = [(x, y) for x, y, r in zip(xs, ys, rows, strict=True) if r.deployment == dep]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=dep)
-        lo, hi = min(xs + ys) * 0.7, max(xs + ys) * 1.4
-        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
-        ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], alpha=0.15,
-                        color="gray", label="±25 %")  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"measured {metric.upper()} p90 ({unit})")
-        ax.set_ylabel(f"predicted {metric.upper()} p90 ({unit})")
-        ax.legend()
-    fig.suptitle("tandem plan's simulator vs real tandem up (same requests)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:

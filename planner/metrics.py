@@ -98,6 +98,8 @@ class PoolStats:
     max_waiting: int
     steps: int
     preemptions: int
+    # Arrival at a worker to the first token it sampled (the workers' own TTFT histogram).
+    first_token: Percentiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,8 @@ class SimResult:
             "pools": {name: {"workers": p.workers, "utilization": p.utilization,
                              "mean_kv_usage": p.mean_kv_usage, "max_kv_usage": p.max_kv_usage,
                              "max_waiting": p.max_waiting, "steps": p.steps,
-                             "preemptions": p.preemptions}
+                             "preemptions": p.preemptions,
+                             "first_token_s": p.first_token.to_dict()}
                       for name, p in self.pools.items()},
             "paths": dict(self.paths), "events": self.events, "wall_s": self.wall_seconds,
         }  # fmt: skip

@@ -128,6 +128,10 @@ class SimWorker:
         self._usage_area = 0.0
         self._usage_since = 0.0
         self.history: list[list[tuple[str, int]]] | None = None  # per step, when recording
+        # Arrival here to the first token sampled here, per request: the real worker's
+        # tandem_worker_time_to_first_token_seconds (engine/worker/metrics.py).
+        self.first_token_seconds: list[float] = []
+        self._arrived: dict[str, float] = {}
 
     @property
     def shell_busy(self) -> bool:
@@ -142,6 +146,7 @@ class SimWorker:
         """A request reaches the engine thread: role check, queue, wake."""
         self.hooks.on_admit(req)
         self.scheduler.add_request(req)
+        self._arrived[req.request_id] = self.loop.now
         self._owed += self._request_overhead
         self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
         self.wake()
@@ -209,6 +214,11 @@ class SimWorker:
             self.loop.after(late, lambda: self._finish(out))
             return
         changed = self.scheduler.update(out, sample(out, self._tokens))
+        arrived, now = self._arrived, self.loop.now
+        for req in changed:
+            t0 = arrived.pop(req.request_id, None)  # present until its first token
+            if t0 is not None:
+                self.first_token_seconds.append(now - t0)
         self._track_usage()
         start = max(self.loop.now, self.shell_busy_until)
         wall = self._cores.burst_seconds(self, start, self._row_overhead * len(changed))

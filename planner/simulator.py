@@ -26,7 +26,13 @@ from tandem.engine.role import Role
 from tandem.engine.sim.profile import Profile
 from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
-from tandem.planner.metrics import PoolStats, RequestTrace, SimResult, summarize_latencies
+from tandem.planner.metrics import (
+    Percentiles,
+    PoolStats,
+    RequestTrace,
+    SimResult,
+    summarize_latencies,
+)
 from tandem.planner.sim_kv import KVFabric
 from tandem.planner.sim_router import RouterConfig, SimRouter
 from tandem.planner.sim_worker import SimWorker
@@ -201,6 +207,7 @@ def _pool_stats(workers: list[SimWorker], duration: float) -> PoolStats:
         max_waiting=max(w.max_waiting for w in workers),
         steps=sum(w.steps for w in workers),
         preemptions=sum(w.scheduler.num_preemptions for w in workers),
+        first_token=Percentiles.of([s for w in workers for s in w.first_token_seconds]),
     )
 
 

@@ -3,6 +3,7 @@ records chosen series from several targets on a fixed period while a benchmark r
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -48,6 +49,24 @@ def histogram(samples: Samples, name: str) -> list[tuple[float, float]]:
             le = float(dict(labels)["le"])
             buckets[le] = buckets.get(le, 0.0) + v
     return sorted(buckets.items())
+
+
+def histogram_quantile(q: float, before: Samples, after: Samples, name: str) -> float:
+    """Prometheus's ``histogram_quantile`` over what histogram ``name`` counted between two
+    scrapes: linear within the bucket holding the q-th observation, so only as fine as the
+    buckets; nan when nothing was counted."""
+    start = dict(histogram(before, name))
+    buckets = [(le, c - start.get(le, 0.0)) for le, c in histogram(after, name)]
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank, prev_le, prev_c = q * buckets[-1][1], 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank and c > prev_c:
+            if math.isinf(le):  # beyond the last bound: its lower edge, as Prometheus answers
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from plan_resimulate import resimulate
-from plan_validation import _predict
+from plan_validation import _simulate
 from sim_profiles import write_profile
 
 from tandem.planner.workload import Arrival, Lengths, Workload
@@ -34,10 +34,11 @@ def _run(tmp_path: Path, rounds: int, later_profiles: bool) -> Path:
 def test_each_round_is_predicted_again_from_its_own_profile(tmp_path: Path) -> None:
     run = _run(tmp_path, 2, later_profiles=True)
     (row,) = resimulate(run, cores=2)
-    want = [_predict(run / name, CHAT, 1, 1, 2, simulated=False)
+    want = [_simulate(run / name, CHAT, 1, 1, 2, simulated=False)
             for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
-    assert row.predicted_ttft_rounds == tuple(w[0] for w in want)
-    assert row.predicted_itl_rounds == tuple(w[1] for w in want)
+    assert row.predicted_ttft_rounds == tuple(w.ttft.p90 for w in want)
+    assert row.predicted_itl_rounds == tuple(w.itl.p90 for w in want)
+    assert row.predicted_worker_ttft_rounds == ()  # the run measured no worker histogram
     # The slower second profile predicts a slower round; the measurements are the run's.
     assert row.predicted_itl_rounds[1] > row.predicted_itl_rounds[0]
     assert row.predicted_itl_p90 == pytest.approx(sum(row.predicted_itl_rounds) / 2)
@@ -47,3 +48,16 @@ def test_each_round_is_predicted_again_from_its_own_profile(tmp_path: Path) -> N
 def test_a_run_with_one_profile_predicts_every_round_from_it(tmp_path: Path) -> None:
     (row,) = resimulate(_run(tmp_path, 3, later_profiles=False), cores=2)
     assert len(set(row.predicted_itl_rounds)) == 1 and len(row.predicted_itl_rounds) == 3
+
+
+def test_a_run_that_measured_the_front_worker_gets_its_prediction_again(tmp_path: Path) -> None:
+    run = _run(tmp_path, 2, later_profiles=True)
+    (saved,) = json.loads((run / "results.json").read_text())
+    saved["worker_ttft_rounds"] = [0.008, 0.009]
+    saved["predicted_worker_ttft_rounds"] = [0.0, 0.0]
+    (run / "results.json").write_text(json.dumps([saved]))
+    (row,) = resimulate(run, cores=2)
+    want = [_simulate(run / name, CHAT, 1, 1, 2, simulated=False).pools["prefill"].first_token.p90
+            for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
+    assert row.predicted_worker_ttft_rounds == tuple(want) and all(w > 0 for w in want)
+    assert row.worker_ttft_rounds == (0.008, 0.009)

@@ -1,17 +1,18 @@
 """plan_validation's table: the counts it judges by, and each round's CPU per request."""
 
-from plan_validation import Row, table
+from plan_report import Row, table
 
 
 def _row(deployment: str, ttft: tuple[float, ...], itl: tuple[float, ...],
-         cpu: tuple[float, ...] = ()) -> Row:  # fmt: skip
+         cpu: tuple[float, ...] = (), worker: tuple[float, ...] = ()) -> Row:  # fmt: skip
     mid = sorted(ttft)[len(ttft) // 2], sorted(itl)[len(itl) // 2]
     return Row(
         model="random-512", workload="chat", load="light", rate=5.0, deployment=deployment,
         requests=100, measured_ttft_p90=mid[0], predicted_ttft_p90=0.020,
         measured_itl_p90=mid[1], predicted_itl_p90=0.002, failed=0, ttft_rounds=ttft,
         itl_rounds=itl, predicted_ttft_rounds=(0.020,) * len(ttft),
-        predicted_itl_rounds=(0.002,) * len(itl), cpu_rounds=cpu,
+        predicted_itl_rounds=(0.002,) * len(itl), cpu_rounds=cpu, worker_ttft_rounds=worker,
+        predicted_worker_ttft_rounds=(0.012,) * len(worker),
     )  # fmt: skip
 
 
@@ -38,3 +39,15 @@ def test_the_table_shows_each_rounds_cpu_per_request_and_the_models_name() -> No
     assert lines[2].startswith("| random-512 | chat | light | 5 | colocated |")
     assert lines[2].endswith("| 28.0 ms (27.0-29.0 ms) |")
     assert lines[3].endswith("(+0%) | |")
+
+
+def test_the_table_splits_off_the_first_tokens_time_inside_the_front_worker() -> None:
+    rows = [
+        _row("1P1D", (0.02, 0.02, 0.02), (0.002,) * 3, worker=(0.007, 0.008, 0.009)),
+        _row("colocated", (0.02,), (0.002,)),  # an older run's row: an empty cell
+    ]
+    lines = table(rows).splitlines()
+    assert lines[0].endswith(" of the TTFT, in the front worker: p90 measured / predicted |")
+    assert lines[2].endswith("| 8.0 / 12.0 ms |")
+    assert lines[3].endswith("(+0%) | |")
+    assert "front worker" not in table([_row("1P1D", (0.02,), (0.002,))])

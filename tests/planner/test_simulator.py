@@ -39,6 +39,9 @@ def test_one_colocated_request_has_the_hand_computed_times() -> None:
     assert t.e2e == pytest.approx(0.0162 + 2 * 0.0101)
     assert t.itl == pytest.approx(0.0101)
     assert t.path == "colocated" and t.num_tokens == 3
+    # Inside the worker (its TTFT histogram's view): arrival at 2 ms to the token at 15.2 ms.
+    first = sim.result.pools["colocated"].first_token
+    assert (first.count, first.p90) == (1, pytest.approx(0.0132))
     assert_pools_clean(sim)
 
 
@@ -53,6 +56,12 @@ def test_one_disaggregated_request_has_the_hand_computed_times() -> None:
     assert t.itl == pytest.approx((t.last_token - t.first_token) / 2)
     assert t.path == "remote"
     assert sim.result.paths == {"remote": 1}
+    # Inside each worker: the prefill's 13.2 ms; decode's from the hand-off's arrival (18.2 ms)
+    # through the pull to its first decode step.
+    pools = sim.result.pools
+    assert (pools["prefill"].first_token.count, pools["prefill"].first_token.p90) == (
+        1, pytest.approx(0.0132))  # fmt: skip
+    assert pools["decode"].first_token.p90 == pytest.approx(admitted + 0.0101 - 0.0182)
     assert_pools_clean(sim)
 
 
