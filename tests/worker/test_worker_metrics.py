@@ -62,7 +62,7 @@ def test_request_latency_observes_each_phase_exactly() -> None:
 
     assert value("tandem_worker_queue_time_seconds", "count") == 1
     assert value("tandem_worker_queue_time_seconds", "sum") == pytest.approx(0.004)
-    assert value("tandem_worker_queue_time_seconds", "bucket", "0.0025") == 0
+    assert value("tandem_worker_queue_time_seconds", "bucket", "0.003") == 0
     assert value("tandem_worker_queue_time_seconds", "bucket", "0.005") == 1
     assert value("tandem_worker_time_to_first_token_seconds", "count") == 1
     assert value("tandem_worker_time_to_first_token_seconds", "sum") == pytest.approx(0.01)
