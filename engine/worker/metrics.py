@@ -120,24 +120,28 @@ class RequestLatency:
     Owned by the WorkerService; ``observe`` runs on the event loop, in each request's stream."""
 
     def __init__(self, registry: CollectorRegistry, model: str, role: str) -> None:
-        labels = ["model", "role"]
-        self.queue = Histogram(
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                name, doc, ["model", "role"], buckets=buckets, registry=registry
+            ).labels(model, role)
+
+        self.queue = histogram(
             "tandem_worker_queue_time_seconds",
             "Arrival at the worker to first admission by its scheduler (decode: the KV pull "
             "starts)",
-            labels, buckets=_PHASE_BUCKETS, registry=registry,
-        ).labels(model, role)  # fmt: skip
-        self.first_token = Histogram(
+            _PHASE_BUCKETS,
+        )
+        self.first_token = histogram(
             "tandem_worker_time_to_first_token_seconds",
             "Arrival at the worker to the first token it sampled (prefill: the hand-off token; "
             "decode: after the KV pull, its first step)",
-            labels, buckets=_PHASE_BUCKETS, registry=registry,
-        ).labels(model, role)  # fmt: skip
-        self.total = Histogram(
+            _PHASE_BUCKETS,
+        )
+        self.total = histogram(
             "tandem_worker_request_duration_seconds",
             "Arrival at the worker to the request's end there",
-            labels, buckets=_TOTAL_BUCKETS, registry=registry,
-        ).labels(model, role)  # fmt: skip
+            _TOTAL_BUCKETS,
+        )
 
     def observe(self, timings: RequestTimings | None) -> None:
         if timings is None:
