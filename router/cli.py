@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
 from tandem.engine.request_limits import MAX_REQUEST_BYTES
+from tandem.engine.startup_heap import frozen_after_startup
 from tandem.router.placement import Policy
 
 if TYPE_CHECKING:
@@ -188,6 +189,7 @@ def main(argv: list[str]) -> int:
         cluster_token=token,
     )
     app = create_app(config)
+    frozen_after_startup(app)
     asyncio.run(
         serve_both(
             app,

@@ -15,6 +15,7 @@ from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, ClusterToken
 from tandem.engine.cpu_threads import default_threads, set_engine_threads
 from tandem.engine.llm import build_engine_config
 from tandem.engine.role import Role
+from tandem.engine.startup_heap import frozen_after_startup
 from tandem.engine.worker.role import WorkerRole
 
 # Engine options the flags set: given twice, the engine would get "multiple values" for them.
@@ -167,6 +168,7 @@ def serve(args: argparse.Namespace, role: WorkerRole) -> int:
     set_engine_threads(threads)
     logging.getLogger(__name__).info("engine threads: %d", threads)
     app = create_app(config, role)
+    frozen_after_startup(app)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
