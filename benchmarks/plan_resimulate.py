@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from plan_report import Row, table
-from plan_validation import DEPLOYMENTS, _simulate, case_workload, workloads
+from plan_validation import DEPLOYMENTS, _simulate, case_workload, front_role, workloads
 
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
@@ -46,8 +46,7 @@ def resimulate(run: Path, cores: int) -> list[Row]:
         p, d = DEPLOYMENTS[row.deployment]
         sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
-        front = "prefill" if p else "colocated"
-        worker = tuple(x.pools[front].first_token.p90 for x in sims)
+        worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
         rows.append(replace(
             row, predicted_ttft_p90=statistics.median(t), predicted_itl_p90=statistics.median(i),

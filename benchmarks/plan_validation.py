@@ -110,10 +110,15 @@ def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None
     return simulate(load_profile(profile_path), w, dep, options)
 
 
+def front_role(p: int) -> str:
+    """The role of the worker whose first token the client sees: prefill with ``p`` prefill
+    workers, else colocated (the ``SimResult.pools`` key and the worker's ``role`` label)."""
+    return "prefill" if p else "colocated"
+
+
 def _front_metrics(up: LocalUp, p: int) -> str:
-    """The metrics URL of the worker whose first token the client sees (prefill in P/D)."""
-    role = "prefill" if p else "colocated"
-    return next(w["url"] for w in up.workers() if w["role"] == role) + "/metrics"
+    """The metrics URL of the front worker (``front_role``)."""
+    return next(w["url"] for w in up.workers() if w["role"] == front_role(p)) + "/metrics"
 
 
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
@@ -173,7 +178,7 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
             measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft))
             sim = _simulate(round_profile, w, p, d, cores, simulated)
-            front_pool = sim.pools["prefill" if p else "colocated"]
+            front_pool = sim.pools[front_role(p)]
             predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90))
             pt, pi, _ = predicted[i][-1]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "

@@ -62,8 +62,7 @@ class Request:
         "generator", "group_id", "group_index", "max_tokens", "block_size", "status",
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "num_preemptions", "stop_reason", "waited_steps",
-        "prompt_done_once", "remote_decode", "kv_transfer_params", "error", "first_scheduled_time",
-        "first_token_time",
+        "remote_decode", "kv_transfer_params", "error", "first_scheduled_time", "first_token_time",
     )  # fmt: skip
 
     def __init__(
@@ -103,7 +102,6 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.waited_steps = 0
-        self.prompt_done_once = False
         # Set by the worker role (see Scheduler): hand off after the prompt (prefill), or the
         # prompt's KV comes from elsewhere (decode).
         self.remote_decode = False
@@ -114,6 +112,12 @@ class Request:
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self._update_block_hashes()
+
+    @property
+    def prompt_done_once(self) -> bool:
+        """Its prompt was computed through to a sampled token at least once (n > 1 siblings wait
+        for their leader's; a preempted request keeps it)."""
+        return self.first_token_time > 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -327,8 +327,7 @@ class Scheduler:
                     kv.cache_blocks(req, computed)
                 if not s.sample:
                     continue
-                req.prompt_done_once = True
-                if not req.first_token_time:
+                if not req.first_token_time:  # also marks the prompt done (prompt_done_once)
                     req.first_token_time = time.monotonic()
                 token = next(sampled)
                 req.append_output_token(token)
