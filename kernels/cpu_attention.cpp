@@ -14,213 +14,22 @@
 
 #include <omp.h>
 
+#include "cpu_attention_block.h"
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 namespace {
 
 using namespace tandem;
+using namespace tandem::attn;
 
 constexpr int kQueryTile = 16;  // query rows of one sequence handled together (extend)
-
-// One block's online-softmax update for one query vector: s[0, n) holds its scores (-inf where
-// masked); they become exp(s - new max) (0 where masked), m and l the running max and sum.
-// Returns alpha = exp(old max - new max), the factor for the accumulator, or -1 when nothing in
-// the block is visible (s is then all 0 and m, l unchanged). The scores are read in whole
-// vectors of eight: s must have room up to the next multiple of 8 (`room`, its row stride),
-// which this pads with -inf.
-inline float softmax_block(float* s, int n, int room, float& m, float& l) {
-#ifdef __AVX2__
-  if (room % 8 == 0) {
-    const int nv = (n + 7) & ~7;
-    for (int j = n; j < nv; ++j) s[j] = -INFINITY;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 mv = _mm256_set1_ps(m);
-    for (int j = 0; j < nv; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-    const float mx = hmax8(mv);
-    if (mx == -INFINITY) {
-      for (int j = 0; j < nv; ++j) s[j] = 0.f;
-      return -1.f;
-    }
-    const __m256 mxv = _mm256_set1_ps(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < nv; j += 8) {
-      const __m256 x = _mm256_loadu_ps(s + j);
-      // exp_neg of -inf is not 0 (it clamps at -87): masked scores are zeroed explicitly.
-      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ),
-                                        exp_neg8(_mm256_sub_ps(x, mxv)));
-      _mm256_storeu_ps(s + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    const float alpha = exp_neg(m - mx);
-    l = l * alpha + hsum8(sum);
-    m = mx;
-    return alpha;
-  }
-#endif
-  (void)room;
-  float mx = m;
-  for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  if (mx == -INFINITY) {
-    for (int j = 0; j < n; ++j) s[j] = 0.f;
-    return -1.f;
-  }
-  const float alpha = exp_neg(m - mx);
-  float sum = 0.f;
-  for (int j = 0; j < n; ++j) {
-    const float e = exp_neg(s[j] - mx);
-    s[j] = s[j] == -INFINITY ? 0.f : e;
-    sum += s[j];
-  }
-  l = l * alpha + sum;
-  m = mx;
-  return alpha;
-}
 
 // One work item: query rows [r0, r1) of one sequence (absolute positions ctx + r) for the query
 // heads of KV heads [h0, h1). All KV heads at once when there are enough items to go round the
 // threads: a position's K (and V) row of every head is then one contiguous read.
 struct Item {
   int seq, h0, h1, r0, r1;
-};
-
-// out[j] = q . k_j for the n keys at k + j * k_stride. With AVX2 and D a multiple of 8, eight
-// keys at a time, reduced together (one horizontal tree for eight dot products, not eight).
-template <int kD>
-inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_stride, int n,
-                       float* out) {
-  const int D = kD > 0 ? kD : head_dim;
-  int j = 0;
-#ifdef __AVX2__
-  if (D % 8 == 0) {
-    for (; j + 8 <= n; j += 8) {
-      const float* kj = k + j * k_stride;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-             a7 = a0;
-      for (int d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + k_stride + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 2 * k_stride + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 3 * k_stride + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 4 * k_stride + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 5 * k_stride + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 6 * k_stride + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 7 * k_stride + d), a7);
-      }
-      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-      const __m256 lo = _mm256_permute2f128_ps(t0, t1, 0x20);
-      const __m256 hi = _mm256_permute2f128_ps(t0, t1, 0x31);
-      _mm256_storeu_ps(out + j, _mm256_add_ps(lo, hi));
-    }
-  }
-#endif
-  for (; j < n; ++j) {
-    const float* kr = k + j * k_stride;
-    float a = 0.f;
-#pragma omp simd reduction(+ : a)
-    for (int d = 0; d < D; ++d) a += q[d] * kr[d];
-    out[j] = a;
-  }
-}
-
-// acc[:D] += sum_j p[j] * v_j for the n value rows at v + j * v_stride. With D known at compile
-// time the accumulator lives in registers for the whole block instead of memory.
-template <int kD>
-inline void accumulate_values(const float* p, const float* v, int64_t v_stride, int n,
-                              float* __restrict acc, int head_dim, float alpha) {
-#ifdef __AVX2__
-  if constexpr (kD > 0 && kD % 8 == 0 && kD <= 64) {
-    // Explicit registers: written as a float array, GCC kept the accumulator on the stack, so
-    // each value row waited on the previous row's store (perf: a load-FMA-store chain per key).
-    // Two chains (even and odd keys) hide the FMA latency; their sum is taken at the end. The
-    // online softmax's rescaling by alpha is applied as the accumulator is loaded.
-    constexpr int V = kD / 8;
-    __m256 a[V], b[V];
-    const __m256 al = _mm256_set1_ps(alpha);
-    for (int i = 0; i < V; ++i) {
-      a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), al);
-      b[i] = _mm256_setzero_ps();
-    }
-    int j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-      const float* v0 = v + j * v_stride;
-      const float* v1 = v0 + v_stride;
-      for (int i = 0; i < V; ++i) {
-        a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), a[i]);
-        b[i] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * i), b[i]);
-      }
-    }
-    if (j < n) {
-      const __m256 p0 = _mm256_broadcast_ss(p + j);
-      const float* v0 = v + j * v_stride;
-      for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), a[i]);
-    }
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(a[i], b[i]));
-    return;
-  }
-#endif
-  if (alpha != 1.f)
-    for (int d = 0; d < head_dim; ++d) acc[d] *= alpha;
-  if constexpr (kD > 0 && kD <= 128) {
-    float a[kD];
-    for (int d = 0; d < kD; ++d) a[d] = acc[d];
-    for (int j = 0; j < n; ++j) {
-      const float pj = p[j];
-      const float* vr = v + j * v_stride;
-#pragma omp simd
-      for (int d = 0; d < kD; ++d) a[d] += pj * vr[d];
-    }
-    for (int d = 0; d < kD; ++d) acc[d] = a[d];
-  } else {
-    for (int j = 0; j < n; ++j) {
-      const float pj = p[j];
-      const float* vr = v + j * v_stride;
-#pragma omp simd
-      for (int d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
-    }
-  }
-}
-
-// Prefetch every 64-byte line of `rows` rows of `row_floats` floats, `stride` floats apart, into
-// L2, not L1 (locality 2: prefetcht1): a block's 8 KiB of K and V pulled into the 32 KiB L1
-// while the current block is computed evicted its working set (measured: 9-10 ms against 7.4 ms
-// for decode attention over 90 MB; one block ahead did as well as two). A tile's first block,
-// before there is compute to spread the requests over (later blocks: Prefetcher).
-inline void prefetch_rows(const float* p, int rows, int64_t stride, int row_floats) {
-  for (int r = 0; r < rows; ++r)
-    for (int o = 0; o < row_floats; o += 16) __builtin_prefetch(p + r * stride + o, 0, 2);
-}
-
-// Prefetches `rows` rows of `row_floats` floats, `stride` floats apart, into L2 a few lines at a
-// time (`issue`), so that the requests for the next block spread over this block's compute.
-// Decode attention over 90 MB of scattered K/V (benchmarks/cpu_attention.py's shapes, 2 threads)
-// took 5.4-7.2 ms with the next block's lines asked for row by row at the block's start, 9.3 ms
-// asked for in one flat loop (a burst stalls the core while the requests queue), and 4.5-5.2 ms
-// spread like this.
-struct Prefetcher {
-  const float* p = nullptr;
-  int64_t stride = 0;
-  int rows = 0, row_floats = 0, r = 0, o = 0;
-  void start(const float* base, int nrows, int64_t st, int rf) {
-    p = base;
-    rows = nrows;
-    stride = st;
-    row_floats = rf;
-    r = o = 0;
-  }
-  void issue(int lines) {
-    for (; lines > 0 && r < rows; --lines) {
-      __builtin_prefetch(p + r * stride + o, 0, 2);
-      o += 16;
-      if (o >= row_floats) {
-        o = 0;
-        ++r;
-      }
-    }
-  }
 };
 
 struct AttnTile {
@@ -290,14 +99,22 @@ void attend_tile_d(const AttnTile& t, const float* kc, const float* vc, int64_t 
       pv.start(vc + static_cast<int64_t>(bt[b + 1]) * vc_b + t.w.h0 * vc_h, bs, vc_s,
                row_floats_v);
     } else {
-      pk.rows = pv.rows = 0;
+      pk.stop();
+      pv.stop();
     }
     for (int h = 0; h < nh; ++h) {
     const float* kb = kb0 + (t.w.h0 + h) * kc_h;
     const float* vb = vb0 + (t.w.h0 + h) * vc_h;
     float* sch = sc + static_cast<int64_t>(h) * Mh * bs;
     const int mb = h * Mh;
-    for (int i = 0; i < Mh; ++i) {
+    int i = 0;
+    if constexpr (kD > 0) {
+      for (; i + 2 <= Mh; i += 2) {
+        score_keys2<kD>(qbuf + (mb + i) * D, kb, kc_s, n, sch + i * bs, sch + (i + 1) * bs);
+        pk.issue(2 * per_k);
+      }
+    }
+    for (; i < Mh; ++i) {
       score_keys<kD>(qbuf + (mb + i) * D, D, kb, kc_s, n, sch + i * bs);
       pk.issue(per_k);
     }

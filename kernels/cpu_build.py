@@ -33,7 +33,7 @@ _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / f for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_forward.cpp")
 )
-HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_simd.h")
+HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_simd.h", _HERE / "cpu_attention_block.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ABI_VERSION = 4
 DISABLE_ENV = "TANDEM_CPU_KERNELS"
