@@ -10,11 +10,15 @@ fused forward's kernel); reported with the K/V bytes it reads and the GB/s that 
 a plain ``torch.sum`` over a cold buffer as large (the machine's streaming read, same run).
 ``--hot``: every sequence reads the same first blocks (all in cache: the kernel's compute
 bound). ``--no-huge-pages``: the cache on 4 KiB pages (engine/huge_pages.py off).
+``--baseline-lib PATH``: another build of the kernel library (e.g. an older one from
+``~/.cache/tandem/cpu_kernels``), timed in the same process in alternating rounds with the
+current one; reported beside it with the ratio, and whether the two outputs are bit-equal.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import random
@@ -41,6 +45,22 @@ def timings(fn, repeats: int) -> tuple[float, float]:  # noqa: ANN001 - a thunk
     return statistics.median(samples), min(samples)
 
 
+def alternated(fns: dict[str, object], rounds: int, per_round: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each thunk, in rounds that alternate their order: a slow stretch of
+    a shared machine then lands on every side rather than on one."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fns[name]()
+                samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=128)
@@ -48,6 +68,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--no-huge-pages", action="store_true")
+    ap.add_argument("--baseline-lib", help="another build of the kernel library to compare")
     a = ap.parse_args()
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -77,6 +98,32 @@ def main() -> None:
             cpu_ops.cpu_paged_attention(q, k, v, table, seq_lens, HEAD_DIM**-0.5, out=out)
 
     attn_s, attn_min_s = timings(step, a.repeats)
+    baseline = {}
+    if a.baseline_lib:
+        # The benchmark swaps the wrappers' library (a private global) between calls; the
+        # checked wrapper, its arguments and the output buffer stay the same.
+        current, other = cpu_ops._get(), cpu_ops._Lib(ctypes.CDLL(a.baseline_lib))
+        out_current = out.clone()
+
+        def on(lib: object) -> object:
+            def run() -> None:
+                cpu_ops._lib = lib
+                try:
+                    step()
+                finally:
+                    cpu_ops._lib = current
+
+            return run
+
+        samples = alternated({"current": on(current), "baseline": on(other)}, a.repeats)
+        on(other)()  # `out` now holds the baseline's result
+        med = {n: statistics.median(v) for n, v in samples.items()}
+        baseline = {
+            "alternated_current_ms": round(med["current"] * 1e3, 3),
+            "alternated_baseline_ms": round(med["baseline"] * 1e3, 3),
+            "baseline_over_current": round(med["baseline"] / med["current"], 3),
+            "outputs_bit_equal": torch.equal(out, out_current),
+        }
     kv_bytes = sum(lens) * a.layers * 2 * KV_HEADS * HEAD_DIM * 4
     cold = [torch.randn(kv_bytes // 4) for _ in range(4)]  # four, read in turn: none stays hot
     turn = iter(range(10**9))
@@ -89,6 +136,7 @@ def main() -> None:
         "attention_gb_s": round(kv_bytes / attn_s / 1e9, 1),
         "streaming_read_gb_s": round(kv_bytes / read_s / 1e9, 1),
         "fraction_of_streaming_read": round(read_s / attn_s, 3),
+        **baseline,
     }, indent=1))  # fmt: skip
 
 
