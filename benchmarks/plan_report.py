@@ -98,7 +98,8 @@ def table(rows: list[Row]) -> str:
         " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |"
         + (" CPU per request (rounds) |" if cpu else "")
         + (" of the TTFT, in the front worker: p90 measured / predicted |" if worker else ""),
-        "| --- | --- | --- | ---: | --- | --- | --- |" + (" --- |" if cpu else "")
+        "| --- | --- | --- | ---: | --- | --- | --- |"
+        + (" --- |" if cpu else "")
         + (" --- |" if worker else ""),
     ]
     for r in rows:
