@@ -63,7 +63,7 @@ class StepPoint:
 
     label: str
     rows: tuple[tuple[int, int, int], ...]
-    execute_seconds: float  # median over the samples
+    execute_seconds: float  # the lower quartile of the samples (profiler.py says why)
     host_seconds: float
     samples: tuple[float, ...]
 
