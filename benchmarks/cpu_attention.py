@@ -24,6 +24,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -45,7 +46,9 @@ def timings(fn, repeats: int) -> tuple[float, float]:  # noqa: ANN001 - a thunk
     return statistics.median(samples), min(samples)
 
 
-def alternated(fns: dict[str, object], rounds: int, per_round: int = 5) -> dict[str, list[float]]:
+def alternated(
+    fns: dict[str, Callable[[], None]], rounds: int, per_round: int = 5
+) -> dict[str, list[float]]:
     """Seconds per call of each thunk, in rounds that alternate their order: a slow stretch of
     a shared machine then lands on every side rather than on one."""
     for fn in fns.values():
@@ -105,7 +108,7 @@ def main() -> None:
         current, other = cpu_ops._get(), cpu_ops._Lib(ctypes.CDLL(a.baseline_lib))
         out_current = out.clone()
 
-        def on(lib: object) -> object:
+        def on(lib: cpu_ops._Lib) -> Callable[[], None]:
             def run() -> None:
                 cpu_ops._lib = lib
                 try:

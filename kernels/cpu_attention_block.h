@@ -66,8 +66,19 @@ inline float softmax_block(float* s, int n, int room, float& m, float& l) {
 }
 
 
+#ifdef __AVX2__
+// out[0, 8) = the lane sums of a0..a7: one horizontal tree for eight dot products, not eight.
+inline void store_sums8(float* out, __m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                        __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                      _mm256_permute2f128_ps(t0, t1, 0x31)));
+}
+#endif
+
 // out[j] = q . k_j for the n keys at k + j * k_stride. With AVX2 and D a multiple of 8, eight
-// keys at a time, reduced together (one horizontal tree for eight dot products, not eight).
+// keys at a time, reduced together (store_sums8).
 template <int kD>
 inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_stride, int n,
                        float* out) {
@@ -90,11 +101,7 @@ inline void score_keys(const float* q, int head_dim, const float* k, int64_t k_s
         a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 6 * k_stride + d), a6);
         a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj + 7 * k_stride + d), a7);
       }
-      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-      const __m256 lo = _mm256_permute2f128_ps(t0, t1, 0x20);
-      const __m256 hi = _mm256_permute2f128_ps(t0, t1, 0x31);
-      _mm256_storeu_ps(out + j, _mm256_add_ps(lo, hi));
+      store_sums8(out + j, a0, a1, a2, a3, a4, a5, a6, a7);
     }
   }
 #endif
@@ -131,18 +138,8 @@ inline void score_keys2(const float* q0, const float* k, int64_t k_stride, int n
           b[i] = _mm256_fmadd_ps(x1, kv, b[i]);
         }
       }
-      {
-        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        _mm256_storeu_ps(out0 + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                                 _mm256_permute2f128_ps(t0, t1, 0x31)));
-      }
-      {
-        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
-        _mm256_storeu_ps(out1 + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                                 _mm256_permute2f128_ps(t0, t1, 0x31)));
-      }
+      store_sums8(out0 + j, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+      store_sums8(out1 + j, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]);
     }
     if (j < n) {
       score_keys<kD>(q0, kD, k + j * k_stride, k_stride, n - j, out0 + j);
