@@ -29,7 +29,6 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from plan_report import Row, plot, table
 from replay_load import Measured, replay
 
 from tandem.calibrate import LocalUp, children_cpu
+from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles, SimResult
@@ -87,7 +87,7 @@ def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
     """Profile ``model`` into ``out``/profile-``name````suffix``.json (``name``: the model's name
     in the tables, which ``plan_resimulate.py`` finds the profiles by)."""
     path = out / f"profile-{name}{suffix}.json"
-    cmd = [sys.executable, "-m", "tandem.cli", "profile", "--model", model, "--output", str(path),
+    cmd = [*tandem_argv("profile"), "--model", model, "--output", str(path),
            "--transports", "tcp", "--threads", str(threads)]  # fmt: skip
     cmd += ["--quick"] if quick else []
     subprocess.run(cmd, check=True)

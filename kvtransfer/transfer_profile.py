@@ -53,7 +53,8 @@ def measure_transfers(
 
     layout = layout.with_num_blocks(max(block_counts) + 1)
     child = subprocess.Popen(
-        [sys.executable, "-m", "tandem.kvtransfer.transfer_profile", transport,
+        # -P: see tandem.child_command (the repo root must not shadow installed packages).
+        [sys.executable, "-P", "-m", "tandem.kvtransfer.transfer_profile", transport,
          json.dumps(layout.to_wire())],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

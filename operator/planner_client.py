@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.child_command import tandem_argv
 from tandem.operator.autoscaler import Pool, PoolSignals
 from tandem.operator.children import Replicas
 from tandem.operator.kube import KubeClient, object_path
@@ -43,7 +43,7 @@ class PlannerClient:
 
     def __init__(
         self,
-        command: Sequence[str] = (sys.executable, "-m", "tandem.cli"),
+        command: Sequence[str] = tandem_argv(),
         timeout_seconds: float = 120.0,
         cache_size: int = 128,
         retry_seconds: float = 60.0,

@@ -46,7 +46,6 @@ import secrets
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.child_command import subcommand, tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
@@ -102,7 +102,7 @@ class LocalUp:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.internal_url = f"http://127.0.0.1:{free_port()}"
         self.token = secrets.token_hex(16)
-        cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", self.url.rsplit(":", 1)[1],
+        cmd = [*tandem_argv("up"), "--port", self.url.rsplit(":", 1)[1],
                "--internal-port", self.internal_url.rsplit(":", 1)[1], "--log-dir", str(log_dir),
                *args]  # fmt: skip
         env = {**os.environ, CLUSTER_TOKEN_ENV: self.token}
@@ -166,8 +166,8 @@ def children_cpu(pid: int) -> dict[str, float]:
             cpu = process_cpu(entry)
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not ours to read
-        if len(argv) > 3 and argv[1:3] == [b"-m", b"tandem.cli"]:
-            name = argv[3].decode()
+        name = subcommand([a.decode(errors="replace") for a in argv])
+        if name is not None:
             out[name] = out.get(name, 0.0) + cpu
     return out
 

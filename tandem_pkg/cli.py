@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-
-# Children (workers, routers, profilers, the planner) start as `python -m tandem.cli ...`, which
-# puts their working directory first on sys.path. Started from a checkout, the repo root's folders
-# would then shadow installed packages: kernels/ hides Hugging Face's `kernels`, which transformers
-# imports since 5.25. Safe-path mode (Python 3.11+) keeps the working directory off sys.path.
-SAFE_PATH_ENV = "PYTHONSAFEPATH"
 
 USAGE = """usage: tandem <command> [options]
 
@@ -30,7 +23,6 @@ commands:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault(SAFE_PATH_ENV, "1")  # inherited by every child this command starts
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.child_command import tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.cpu_threads import available_cpus, omp_num_threads, split_threads
 from tandem.supervisor import ProcessSpec
@@ -121,7 +122,7 @@ def build_specs(
     """The routers first, then the workers; ``--prefill 0`` makes the decode workers colocated.
     ``token`` (the cluster token) goes into every child's environment, never its argv. Every
     worker gets every router's internal URL (one ``--router-url`` each)."""
-    base = (python, "-m", "tandem.cli")
+    base = tandem_argv(python=python)
     taken = set(router_ports(cfg))
     if cfg.internal_port is not None:
         taken |= {cfg.internal_port + i for i in range(cfg.routers)}

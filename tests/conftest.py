@@ -10,9 +10,6 @@ import pytest
 from checkpoints import write_random_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Tests start many `python -c` and `python -m tandem.cli` children from the repo root: keep the root
-# off their sys.path, or kernels/ shadows Hugging Face's `kernels` (see tandem.cli.SAFE_PATH_ENV).
-os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 def _cuda_available() -> bool:

@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import httpx
 
+from tandem.child_command import PREFIX
+
 # The cluster token every `tandem` process a test starts shares (through the environment, as
 # `tandem up` and the operator hand it over); tests present it on worker-facing routes.
 CLUSTER_TOKEN = "test-cluster-token-0123456789abcdef"
@@ -76,7 +78,7 @@ class Proc:
         # ``env`` may map a name to None to remove it (e.g. to let `tandem up` make a token).
         env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(
-            [sys.executable, *([str(script)] if script else ["-m", "tandem.cli"]), *args],
+            [sys.executable, *([str(script)] if script else list(PREFIX)), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

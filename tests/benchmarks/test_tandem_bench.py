@@ -4,13 +4,13 @@ colocated demo deployment."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from benchlib.launch import Deployment
 
 from tandem.bench import build, split_args, tokenizer_for
+from tandem.child_command import tandem_argv
 from tandem.engine.model_path import resolve_model_path
 from tandem.up import UpConfig
 
@@ -64,7 +64,7 @@ def test_tandem_bench_runs_guidellm_against_a_deployment(tmp_path: Path) -> None
     config = UpConfig(model="demo", port=0, prefill=0, decode=1, kv_transport="tcp")
     out = tmp_path / "bench.json"
     with Deployment(config, log_dir=tmp_path / "logs") as dep:
-        argv = [sys.executable, "-m", "tandem.cli", "bench", "--url", dep.url,
+        argv = [*tandem_argv("bench"), "--url", dep.url,
                 "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=2",
                 "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=4",
                 "--output", f"kind=json,path={out}", "--disable-console-interactive"]  # fmt: skip

@@ -16,7 +16,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 from procs import AUTH, CLUSTER_TOKEN
 
+from tandem.child_command import tandem_argv
 from tandem.engine.demo import make_user_message
 
 _CHILD_LINE = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+(http://\S+)")
@@ -75,7 +75,7 @@ class Cluster:
         self.urls: dict[str, str] = {}  # child name -> URL
         self._out = (log_dir / "up.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", str(self.port),
+            [*tandem_argv("up"), "--port", str(self.port),
              "--internal-port", str(self.internal_port), "--log-dir", str(log_dir), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(log_dir),
             env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN,

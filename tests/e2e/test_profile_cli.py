@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tandem.child_command import tandem_argv
 from tandem.engine.sim.profile import load_profile
 from tandem.engine.sim.tokens import printable_token_ids
 
@@ -18,7 +18,7 @@ from tandem.engine.sim.tokens import printable_token_ids
 def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     run = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "profile", "--model", "demo", "--quick",
+        [*tandem_argv("profile"), "--model", "demo", "--quick",
          "--repeats", "2", "--passes", "2", "--transports", "tcp", "--output", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
@@ -64,7 +64,7 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(weights_path()))
     assert profile.model.sim_token_ids == printable_token_ids(tok, 262, frozenset([257]))
     plan = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "plan", "--profile", str(out), "--isl", "64",
+        [*tandem_argv("plan"), "--profile", str(out), "--isl", "64",
          "--osl", "16", "--rate", "2", "--ttft-p90", "5", "--itl-p90", "1", "--json",
          "--requests", "60", "--max-workers", "4"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,

@@ -4,35 +4,42 @@ the same name (kernels/ against Hugging Face's `kernels`, a transformers depende
 from __future__ import annotations
 
 import importlib.util
-import os
+import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tandem import cli
+from tandem.child_command import PREFIX, subcommand, tandem_argv
+from tandem.up_config import UpConfig, build_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_cli_puts_its_children_in_safe_path_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cli.SAFE_PATH_ENV, raising=False)
-    assert cli.main(["--help"]) == 0
-    assert os.environ[cli.SAFE_PATH_ENV] == "1"
+def test_every_child_of_tandem_up_runs_in_safe_path_mode() -> None:
+    cfg = UpConfig(model="demo", port=18000, prefill=1, decode=1, routers=2)
+    specs = build_specs(cfg, itertools.count(19000), python="/py")
+    assert [s.argv[:4] for s in specs] == [("/py", "-P", "-m", "tandem.cli")] * 4
+    assert [subcommand(s.argv) for s in specs] == ["router", "router", "prefill", "decode"]
+
+
+def test_subcommand_reads_only_tandem_children() -> None:
+    assert subcommand(tandem_argv("up", "--port", "1")) == "up"
+    assert subcommand(("/py", "-m", "tandem.cli", "up")) is None  # not how tandem starts one
+    assert subcommand(("/py", *PREFIX)) is None
+    assert subcommand(("/py", "worker_proc.py", "decode")) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kernels") is None, reason="no `kernels` installed")
 def test_a_child_in_the_repo_root_finds_the_installed_kernels_package() -> None:
-    code = "import kernels; print(kernels.__file__)"
-    env = {k: v for k, v in os.environ.items() if k != cli.SAFE_PATH_ENV}
-
-    def origin(extra: dict[str, str]) -> Path:
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, **extra},
-                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    def origin(*flags: str) -> Path:
+        code = "import kernels; print(kernels.__file__)"
+        run = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, check=True)  # fmt: skip
         return Path(run.stdout.strip()).resolve()
 
     ours = ROOT / "kernels" / "__init__.py"
-    assert origin({}) == ours  # the hazard: the root shadows the installed package
-    installed = origin({cli.SAFE_PATH_ENV: "1"})
+    assert origin() == ours  # the hazard: the root shadows the installed package
+    installed = origin("-P")
     assert installed != ours and "site-packages" in installed.parts

@@ -289,8 +289,8 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         "print('tokens', out[0].token_ids)\n"
     )
     return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, "-P", "-c", code], env={**os.environ, **env}, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
 
 

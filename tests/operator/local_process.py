@@ -11,17 +11,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
 from procs import wait_for
 
+from tandem import child_command
+
 
 def tandem_argv(args: Sequence[str]) -> list[str]:
     """The `tandem` console script, as the local install runs it."""
-    return [sys.executable, "-m", "tandem.cli", *args]
+    return list(child_command.tandem_argv(*args))
 
 
 class LocalProcess:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sim_profiles import synthetic_profile
 
+from tandem.child_command import tandem_argv
 from tandem.operator.autoscaler import (
     Decision,
     Pool,
@@ -196,7 +196,7 @@ def signals(rate: float, ttft: float | None, itl: float | None) -> dict[Pool, Po
 
 
 def test_interval_floors_run_the_real_planner_and_learn_only_on_plan(tmp_path: Path) -> None:
-    planner = PlannerClient((sys.executable, "-m", "tandem.cli"), timeout_seconds=120)
+    planner = PlannerClient(tandem_argv(), timeout_seconds=120)
 
     async def run() -> None:
         text = profile_text()
@@ -231,7 +231,7 @@ def test_interval_floors_run_the_real_planner_and_learn_only_on_plan(tmp_path: P
 
 
 def test_a_failing_planner_is_an_error_and_is_not_rerun_at_once(tmp_path: Path) -> None:
-    planner = PlannerClient((sys.executable, "-m", "tandem.cli"), retry_seconds=3600)
+    planner = PlannerClient(tandem_argv(), retry_seconds=3600)
 
     async def run() -> None:
         for _ in range(2):

@@ -525,4 +525,4 @@ def test_operator_imports_stay_light() -> None:
         "heavy = {'torch', 'transformers', 'triton'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=60)

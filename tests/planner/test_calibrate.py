@@ -49,7 +49,7 @@ def test_process_cpu_counts_threads_that_have_ended() -> None:
             "    while time.thread_time() - t < 0.3: pass\n"
             "th = threading.Thread(target=burn); th.start(); th.join()\n"
             "print('done', flush=True); time.sleep(30)\n")  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-P", "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "done\n"
         # The burning thread has ended; its CPU still counts (a worker's short-lived threads).

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem.child_command import subcommand, tandem_argv
 from tandem.up import UpConfig, build_specs, curl_line, parse_config
 
 HARNESS = Path(__file__).parent / "up_harness.py"
@@ -25,7 +26,7 @@ def test_specs_disaggregated() -> None:
                    local_prefill_threshold=64, prefill_overload_queue=6,
                    engine_options=("max_num_seqs=8",))  # fmt: skip
     specs = build_specs(cfg, iter([9001, 7001, 7002, 7003]), python=PY, token="t" * 32)
-    base = (PY, "-m", "tandem.cli")
+    base = tandem_argv(python=PY)
     assert [s.name for s in specs] == ["router", "prefill-0", "decode-0", "decode-1"]
     assert specs[0].argv == base + (
         "router", "--model", "/m", "--host", "127.0.0.1", "--port", "9000",
@@ -52,7 +53,7 @@ def test_specs_colocated_and_api_key_in_env() -> None:
     cfg = UpConfig(prefill=0, decode=2, api_key=key, internal_port=8001)
     specs = build_specs(cfg, iter([1, 2]), python=PY)
     assert [s.role for s in specs] == ["router", "colocated", "colocated"]
-    assert specs[1].argv[3] == "colocated"
+    assert subcommand(specs[1].argv) == "colocated"
     assert specs[0].env == (("TANDEM_API_KEY", key),)
     assert key not in repr(specs[0])
     assert key not in specs[0].argv

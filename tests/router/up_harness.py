@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tandem.child_command import tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV, generate_token
 from tandem.up import ProcessSpec, free_port, launch
 
@@ -26,7 +27,7 @@ def main() -> int:
     env = ((CLUSTER_TOKEN_ENV, generate_token()),)  # as `tandem up` does: one per run
     router = ProcessSpec(
         "router", "router",
-        (sys.executable, "-m", "tandem.cli", "router", "--model", "test-model", "--tokenizer",
+        (*tandem_argv("router"), "--model", "test-model", "--tokenizer",
          a.tokenizer, "--host", "127.0.0.1", "--port", str(a.port), "--internal-port",
          str(internal), "--heartbeat-timeout", "2"),
         router_url, env, internal_url,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from procs import Proc, free_port, wait_for
 
+from tandem.child_command import subcommand
 from tandem.engine.demo import expected_answer, make_user_message
 
 
@@ -120,8 +121,9 @@ class SecureUp:
                 argv = cmdline(pid)
             except OSError:
                 continue
-            if argv[1:3] == ["-m", "tandem.cli"] and len(argv) > 3:
-                out[argv[3]] = pid
+            name = subcommand(argv)
+            if name is not None:
+                out[name] = pid
         return out
 
     def workers(self) -> list[dict[str, Any]]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.child_command import tandem_argv
+
 
 @pytest.fixture
 def no_ucxx(tmp_path: Path) -> dict[str, str]:
@@ -23,7 +25,7 @@ def no_ucxx(tmp_path: Path) -> dict[str, str]:
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], env=env, cwd=cwd,
+    return subprocess.run(tandem_argv(*args), env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
