@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from tandem.child_command import module_argv
 from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.kv_layout import DTYPES, KVLayout
 from tandem.engine.sim.profile import TransferPoint
@@ -53,9 +54,7 @@ def measure_transfers(
 
     layout = layout.with_num_blocks(max(block_counts) + 1)
     child = subprocess.Popen(
-        # -P: see tandem.child_command (the repo root must not shadow installed packages).
-        [sys.executable, "-P", "-m", "tandem.kvtransfer.transfer_profile", transport,
-         json.dumps(layout.to_wire())],
+        module_argv("tandem.kvtransfer.transfer_profile", transport, json.dumps(layout.to_wire())),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None

@@ -1,7 +1,8 @@
 """How a tandem process starts another tandem process: ``python -P -m tandem.cli <command> ...``.
 
 Who calls: ``tandem up`` (its routers and workers), the calibration and validation harnesses
-(``tandem up`` itself), the operator's planner (``tandem plan``).
+(``tandem up`` itself), the operator's planner (``tandem plan``), and ``tandem profile`` (its KV
+transfer peer, ``module_argv``).
 
 ``-P`` (Python 3.11+ safe-path mode) keeps the working directory off the child's ``sys.path``.
 Started from a checkout, the repo root's folders would otherwise shadow installed packages of
@@ -15,12 +16,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-PREFIX = ("-P", "-m", "tandem.cli")
+CLI_MODULE = "tandem.cli"
+PREFIX = ("-P", "-m", CLI_MODULE)  # what every tandem child's argv holds after the python
+
+
+def module_argv(module: str, *args: str, python: str = sys.executable) -> tuple[str, ...]:
+    """The argv that runs ``python -m <module> <args>`` in safe-path mode."""
+    return (python, "-P", "-m", module, *args)
 
 
 def tandem_argv(*args: str, python: str = sys.executable) -> tuple[str, ...]:
     """The argv that runs ``tandem <args>`` in a fresh interpreter."""
-    return (python, *PREFIX, *args)
+    return module_argv(CLI_MODULE, *args, python=python)
 
 
 def subcommand(argv: Sequence[str]) -> str | None:
