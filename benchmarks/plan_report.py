@@ -38,13 +38,6 @@ class Row:
     # predicted by the simulated worker. The rest of the TTFT is the serving path's.
     worker_ttft_rounds: tuple[float, ...] = ()
     predicted_worker_ttft_rounds: tuple[float, ...] = ()
-    # Each round's pace (tandem/engine/sim/pace.py): the profile's probe points timed again
-    # just before the round's replay, now over then. The predictions above are then the
-    # profile's moved to that pace; the profile's as measured are the unpaced ones. Empty: the
-    # run probed no pace.
-    pace_rounds: tuple[float, ...] = ()
-    unpaced_ttft_rounds: tuple[float, ...] = ()
-    unpaced_itl_rounds: tuple[float, ...] = ()
 
     @property
     def ttft_error(self) -> float:
@@ -64,15 +57,6 @@ class Row:
             for mt, mi, t, i in zip(self.ttft_rounds, self.itl_rounds, pt, pi, strict=True)
         )
 
-    def unpaced(self) -> Row:
-        """This row judged on the profile as measured, without the pace probe."""
-        if not self.pace_rounds:
-            return self
-        t, i = self.unpaced_ttft_rounds, self.unpaced_itl_rounds
-        return replace(self, predicted_ttft_p90=statistics.median(t),
-                       predicted_itl_p90=statistics.median(i), predicted_ttft_rounds=t,
-                       predicted_itl_rounds=i, pace_rounds=())  # fmt: skip
-
     def first_profile(self) -> Row:
         """This row judged on the first round's profile alone (the single-profile figures)."""
         if not self.predicted_ttft_rounds:
@@ -86,8 +70,7 @@ class Row:
 def _span(values: tuple[float, ...], scale: float, unit: str, digits: int) -> str:
     if len(values) < 2:
         return ""
-    unit = f" {unit}" if unit else ""
-    return f" ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f}{unit})"
+    return f" ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f} {unit})"
 
 
 def _within(rows: list[Row]) -> tuple[int, int, int]:
@@ -110,17 +93,14 @@ def _worker_cell(r: Row) -> str:
 def table(rows: list[Row]) -> str:
     cpu = any(r.cpu_rounds for r in rows)
     worker = any(r.worker_ttft_rounds for r in rows)
-    paced = any(r.pace_rounds for r in rows)
     lines = [
         "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured (rounds) /"
         " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |"
         + (" CPU per request (rounds) |" if cpu else "")
-        + (" of the TTFT, in the front worker: p90 measured / predicted |" if worker else "")
-        + (" pace (rounds) |" if paced else ""),
+        + (" of the TTFT, in the front worker: p90 measured / predicted |" if worker else ""),
         "| --- | --- | --- | ---: | --- | --- | --- |"
         + (" --- |" if cpu else "")
-        + (" --- |" if worker else "")
-        + (" --- |" if paced else ""),
+        + (" --- |" if worker else ""),
     ]
     for r in rows:
         spent = " |" if cpu else ""  # a run saved before CPU was recorded: an empty cell
@@ -129,9 +109,6 @@ def table(rows: list[Row]) -> str:
             spent = f" {mid:.1f} ms{_span(r.cpu_rounds, 1e3, 'ms', 1)} |"
         if worker:
             spent += _worker_cell(r)
-        if paced:
-            pace = statistics.median(r.pace_rounds) if r.pace_rounds else None
-            spent += f" {pace:.2f}{_span(r.pace_rounds, 1, '', 2)} |" if pace else " |"
         lines.append(
             f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
             f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
@@ -147,12 +124,6 @@ def table(rows: list[Row]) -> str:
         f"their rounds; {single} of {runs} single runs do (each against its own round's "
         f"prediction)."
     )
-    if paced:
-        within, single, runs = _within([r.unpaced() for r in rows])
-        lines.append(
-            f"Without the pace probe (the profiles as measured): {within} of {len(rows)} cases; "
-            f"{single} of {runs} single runs."
-        )
     if any(len(set(r.predicted_ttft_rounds)) > 1 for r in rows):
         within, single, runs = _within([r.first_profile() for r in rows])
         lines.append(

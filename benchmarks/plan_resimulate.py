@@ -4,9 +4,8 @@ The simulator is deterministic for a profile and a seed, so a change to it can b
 run's real measurements without running them again: this reads the run's ``results.json``
 (the cases, their rates and measured p90s) and its profiles (``profile-<model>.json`` for the
 first round, ``profile-<model>-roundN.json`` for later ones), predicts every round again and
-prints the table with the counts ``plan_validation.py`` prints (a run that probed the
-machine's pace before each case is predicted at those paces, and without them). The requests
-are the run's own (the same workload, seed and profile give the same requests).
+prints the table with the counts ``plan_validation.py`` prints. The requests are the run's own
+(the same workload, seed and profile give the same requests).
 
     python benchmarks/plan_resimulate.py /tmp/planval            # every model of the run
     python benchmarks/plan_resimulate.py /tmp/planval --cores 2  # the cores the run shared
@@ -24,7 +23,6 @@ from plan_report import Row, table
 from plan_validation import DEPLOYMENTS, _simulate, case_workload, front_role, workloads
 
 from tandem.engine.cpu_threads import available_cpus
-from tandem.engine.sim.pace import at_pace
 from tandem.engine.sim.profile import load_profile
 
 
@@ -40,22 +38,13 @@ def resimulate(run: Path, cores: int) -> list[Row]:
     rows = []
     for r in json.loads((run / "results.json").read_text()):
         rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
-                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds",
-                  "pace_rounds", "unpaced_ttft_rounds", "unpaced_itl_rounds")  # fmt: skip
+                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds")  # fmt: skip
         row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
         w = case_workload(row.rate, isl, osl, row.requests)
         p, d = DEPLOYMENTS[row.deployment]
-        profiles = [load_profile(path) for path in paths]
-        raw = [_simulate(prof, w, p, d, cores, simulated=False) for prof in profiles]
-        # A run that probed the machine's pace is predicted at each round's pace, as it was.
-        sims = raw
-        if row.pace_rounds:
-            sims = [_simulate(at_pace(prof, pace), w, p, d, cores, simulated=False)
-                    for prof, pace in zip(profiles, row.pace_rounds, strict=True)]  # fmt: skip
-            row = replace(row, unpaced_ttft_rounds=tuple(x.ttft.p90 for x in raw),
-                          unpaced_itl_rounds=tuple(x.itl.p90 for x in raw))  # fmt: skip
+        sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none

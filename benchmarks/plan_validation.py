@@ -42,7 +42,6 @@ from replay_load import Measured, replay
 from tandem.calibrate import LocalUp, children_cpu
 from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
-from tandem.engine.sim.pace import at_pace, pace_factor, probe_labels
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles, SimResult
 from tandem.planner.simulator import Deployment, SimOptions, simulate
@@ -99,39 +98,7 @@ def _p90(values: list[float]) -> float:
     return Percentiles.of(values).p90
 
 
-class PaceProbe:
-    """An engine of the model in this process, on the profile's threads, that times the
-    profile's probe points (``tandem.engine.sim.pace``) again just before each case's replay,
-    as `tandem profile` timed them (the same StepProfiler): the machine's pace now over its
-    pace then. The workers of the case are up and idle meanwhile."""
-
-    def __init__(self, model: str, threads: int) -> None:
-        import torch
-
-        from tandem.engine.builder import build_engine_parts
-        from tandem.engine.engine import Engine
-        from tandem.engine.llm import build_engine_config
-        from tandem.engine.sim.profiler import StepProfiler
-
-        torch.set_num_threads(threads)
-        self.profiler = StepProfiler(Engine(build_engine_parts(build_engine_config(model))))
-        self.profiler.decode(1, 16, record=False)  # first calls allocate and pick kernels
-        self.profiler.prefill(16, 0, record=False)
-
-    def pace(self, profile: Profile) -> float:
-        measured = {}
-        for label in probe_labels(profile):
-            kind, *parts = label.split()
-            v = {k: int(x) for k, x in (part.split("=", 1) for part in parts)}
-            if kind == "decode":
-                point = self.profiler.decode(v["batch"], v["ctx"], record=False)
-            else:
-                point = self.profiler.prefill(v["q"], v["ctx"], record=False)
-            measured[label] = point.execute_seconds
-        return pace_factor(profile, measured)
-
-
-def _simulate(profile: Path | Profile, w: Workload, p: int, d: int, cores: int | None,
+def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
               simulated: bool) -> SimResult:  # fmt: skip
     """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``)."""
     dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
@@ -140,8 +107,7 @@ def _simulate(profile: Path | Profile, w: Workload, p: int, d: int, cores: int |
     shared = None if simulated else cores
     options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
                          client_shares_cores=True)  # fmt: skip
-    return simulate(profile if isinstance(profile, Profile) else load_profile(profile), w, dep,
-                    options)  # fmt: skip
+    return simulate(load_profile(profile_path), w, dep, options)
 
 
 def front_role(p: int) -> str:
@@ -157,17 +123,14 @@ def _front_metrics(up: LocalUp, p: int) -> str:
 
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
               quick: bool, cores: int | None, simulated: bool, repeats: int = 1,
-              reprofile: Callable[[int], Path] | None = None,
-              probe: PaceProbe | None = None) -> list[Row]:  # fmt: skip
+              reprofile: Callable[[int], Path] | None = None) -> list[Row]:  # fmt: skip
     """Every case's real run of ``model`` (``name`` in the table) ``repeats`` times, the rounds
     interleaved (all cases, then all again): this machine's speed drifts by tens of percent
     over minutes, so a case measured in one stretch would carry that stretch's pace. Each
     case's measured p90 is the median of its rounds. The cases (rates, requests) come from the
     first profile; with ``reprofile`` every later round is predicted from the profile
     ``reprofile(round)`` makes just before it, else from the first. The prediction is the
-    median of the rounds' (the simulator is deterministic for its seed and profile). With a
-    ``probe``, each case's prediction is its profile's moved to the pace probed just before its
-    replay; the unpaced prediction is kept beside it."""
+    median of the rounds' (the simulator is deterministic for its seed and profile)."""
     profile = load_profile(profile_path)
     threads = profile.threads
     shapes = workloads(profile.model.max_model_len)
@@ -187,8 +150,6 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
         i: [] for i in range(len(cases))
     }
     predicted: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(cases))}
-    # Each round's (pace, unpaced TTFT p90, unpaced ITL p90), with a probe.
-    paced: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(cases))}
     round_profile = profile_path
     for rnd in range(repeats):
         if rnd and reprofile is not None:
@@ -206,7 +167,6 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
                 args += ["--simulate", str(round_profile)]
             with LocalUp(args, p + d, logs) as up:
                 replay(up.url, model, warm)  # tandem up serves --model under that name
-                pace = probe.pace(load_profile(round_profile)) if probe else None
                 front = _front_metrics(up, p)
                 hist0, before, own = scrape(front), children_cpu(up.proc.pid), time.process_time()
                 got: list[Measured] = replay(up.url, model, reqs)
@@ -218,17 +178,13 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
             measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft))
             sim = _simulate(round_profile, w, p, d, cores, simulated)
-            if pace is not None:
-                paced[i].append((pace, sim.ttft.p90, sim.itl.p90))
-                sim = _simulate(at_pace(load_profile(round_profile), pace), w, p, d, cores,
-                                simulated)  # fmt: skip
             front_pool = sim.pools[front_role(p)]
             predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90))
             pt, pi, _ = predicted[i][-1]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
-                  f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request"
-                  + (f", pace {pace:.2f}" if pace is not None else ""), flush=True)  # fmt: skip
+                  f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request",
+                  flush=True)  # fmt: skip
     rows = []
     for i, (wname, lname, rate, dname, _p, _d, w) in enumerate(cases):
         ttfts = tuple(m[0] for m in measured[i])
@@ -244,9 +200,6 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             predicted_itl_rounds=p_itls, cpu_rounds=tuple(m[3] for m in measured[i]),
             worker_ttft_rounds=tuple(m[4] for m in measured[i]),
             predicted_worker_ttft_rounds=tuple(m[2] for m in predicted[i]),
-            pace_rounds=tuple(m[0] for m in paced[i]),
-            unpaced_ttft_rounds=tuple(m[1] for m in paced[i]),
-            unpaced_itl_rounds=tuple(m[2] for m in paced[i]),
         )  # fmt: skip
         rows.append(row)
         print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
@@ -290,9 +243,6 @@ def main() -> None:
         help="each worker's engine threads, profiled and served alike (default: what `tandem "
         "up` gives each of two workers on --cores: one core left for the router and client)",
     )
-    ap.add_argument("--no-pace-probe", dest="pace_probe", action="store_false",
-                    help="predict from the profiles as measured, without timing their probe "
-                    "points again before each case (tandem/engine/sim/pace.py)")  # fmt: skip
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
     ap.add_argument(
         "--simulated-workers",
@@ -326,12 +276,8 @@ def main() -> None:
             return profile_model(model, label, out, args.quick, threads, f"-round{rnd + 1}")
 
         again = None if args.one_profile or name in given else reprofile
-        # Simulated workers wait their steps: the machine's pace does not move them.
-        probing = args.pace_probe and not args.simulated_workers
-        probe = PaceProbe(model, threads) if probing else None
         rows += run_model(model, label, profile, out, args.duration, args.quick, args.cores,
-                          args.simulated_workers, args.repeats, again, probe)  # fmt: skip
-        del probe  # its KV cache, before the next model's
+                          args.simulated_workers, args.repeats, again)  # fmt: skip
         # After each model, so a later model's failure keeps the earlier figures.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")

@@ -8,8 +8,6 @@ from plan_resimulate import resimulate
 from plan_validation import _simulate
 from sim_profiles import write_profile
 
-from tandem.engine.sim.pace import at_pace
-from tandem.engine.sim.profile import load_profile
 from tandem.planner.workload import Arrival, Lengths, Workload
 
 # workloads(256)["chat"]: 64 prompt tokens, 32 out.
@@ -63,23 +61,3 @@ def test_a_run_that_measured_the_front_worker_gets_its_prediction_again(tmp_path
             for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
     assert row.predicted_worker_ttft_rounds == tuple(want) and all(w > 0 for w in want)
     assert row.worker_ttft_rounds == (0.008, 0.009)
-
-
-def test_a_run_that_probed_its_pace_is_predicted_at_it_and_without_it(tmp_path: Path) -> None:
-    run = _run(tmp_path, 2, later_profiles=True)
-    (saved,) = json.loads((run / "results.json").read_text())
-    saved |= {"pace_rounds": [1.5, 0.8], "unpaced_ttft_rounds": [0.0, 0.0],
-              "unpaced_itl_rounds": [0.0, 0.0]}  # fmt: skip
-    (run / "results.json").write_text(json.dumps([saved]))
-    (row,) = resimulate(run, cores=2)
-    names = ("profile-demo.json", "profile-demo-round2.json")
-    profiles = [load_profile(run / name) for name in names]
-    paced = [_simulate(at_pace(p, f), CHAT, 1, 1, 2, simulated=False)
-             for p, f in zip(profiles, (1.5, 0.8), strict=True)]  # fmt: skip
-    raw = [_simulate(p, CHAT, 1, 1, 2, simulated=False) for p in profiles]
-    assert row.predicted_itl_rounds == tuple(w.itl.p90 for w in paced)
-    assert row.unpaced_itl_rounds == tuple(w.itl.p90 for w in raw)
-    assert row.unpaced_ttft_rounds == tuple(w.ttft.p90 for w in raw)
-    assert row.predicted_itl_rounds[0] > row.unpaced_itl_rounds[0]  # 1.5x slower machine
-    assert row.predicted_itl_rounds[1] < row.unpaced_itl_rounds[1]
-    assert row.unpaced().predicted_itl_rounds == row.unpaced_itl_rounds

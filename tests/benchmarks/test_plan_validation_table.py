@@ -51,21 +51,3 @@ def test_the_table_splits_off_the_first_tokens_time_inside_the_front_worker() ->
     assert lines[2].endswith("| 8.0 / 12.0 ms |")
     assert lines[3].endswith("(+0%) | |")
     assert "front worker" not in table([_row("1P1D", (0.02,), (0.002,))])
-
-
-def test_the_table_gives_each_rounds_pace_and_the_count_without_it() -> None:
-    from dataclasses import replace
-
-    # Paced predictions 0.020 s / 2 ms (within); unpaced 0.014 s / 1.4 ms: -30 %, misses.
-    paced = replace(_row("colocated", (0.02, 0.02), (0.002, 0.002)), pace_rounds=(1.40, 1.46),
-                    unpaced_ttft_rounds=(0.014, 0.014),
-                    unpaced_itl_rounds=(0.0014, 0.0014))  # fmt: skip
-    text = table([paced, _row("1P1D", (0.02,), (0.002,))])
-    lines = text.splitlines()
-    assert lines[0].endswith(" pace (rounds) |")
-    assert lines[2].endswith("| 1.43 (1.40-1.46) |")
-    assert lines[3].endswith("(+0%) | |")  # a row without a probe: an empty cell
-    assert "2 of 2 cases have both errors within 25 %" in text
-    without = "Without the pace probe (the profiles as measured): 1 of 2 cases; 1 of 3 single runs."
-    assert without in text
-    assert paced.unpaced().itl_error == 0.0014 / 0.002 - 1
