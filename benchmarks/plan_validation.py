@@ -18,8 +18,10 @@ Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to 
     python benchmarks/plan_validation.py --simulated-workers   # the simulator against
         # `tandem up --simulate` on the same profile: the router, HTTP and scheduling model alone
 
-Run it on a quiet machine: every number is a wall-clock latency. ``plan_resimulate.py`` predicts
-a saved run (its ``--out``) again with the current simulator.
+Run it on a quiet machine: every number is a wall-clock latency. Leave the checkout alone
+meanwhile: each case starts processes from it, so the run stops before a case if the Tandem
+source has changed since it began (``benchlib/source.py``). ``plan_resimulate.py`` predicts a
+saved run (its ``--out``) again with the current simulator.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchlib.metrics import histogram_quantile, scrape
+from benchlib.source import SourceGuard
 from plan_report import Row, plot, table
 from replay_load import Measured, replay
 
@@ -123,7 +126,8 @@ def _front_metrics(up: LocalUp, p: int) -> str:
 
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
               quick: bool, cores: int | None, simulated: bool, repeats: int = 1,
-              reprofile: Callable[[int], Path] | None = None) -> list[Row]:  # fmt: skip
+              reprofile: Callable[[int], Path] | None = None,
+              guard: SourceGuard | None = None) -> list[Row]:  # fmt: skip
     """Every case's real run of ``model`` (``name`` in the table) ``repeats`` times, the rounds
     interleaved (all cases, then all again): this machine's speed drifts by tens of percent
     over minutes, so a case measured in one stretch would carry that stretch's pace. Each
@@ -155,6 +159,8 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
         if rnd and reprofile is not None:
             round_profile = reprofile(rnd)
         for i, (wname, lname, rate, dname, p, d, w) in enumerate(cases):
+            if guard is not None:
+                guard.check(f"{name} {wname} {lname} {dname} (round {rnd + 1})")
             reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
             warm = generate(replace(w, num_requests=4), profile.model.sim_token_ids, 99,
                             profile.model.max_model_len)  # fmt: skip
@@ -253,6 +259,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-validation-"))
     out.mkdir(parents=True, exist_ok=True)
     given = dict(p.split("=", 1) for p in args.profile)
+    guard = SourceGuard()  # before the first profile: every process of the run runs this code
     rows: list[Row] = []
     for name in args.models.split(","):
         model = name
@@ -277,7 +284,7 @@ def main() -> None:
 
         again = None if args.one_profile or name in given else reprofile
         rows += run_model(model, label, profile, out, args.duration, args.quick, args.cores,
-                          args.simulated_workers, args.repeats, again)  # fmt: skip
+                          args.simulated_workers, args.repeats, again, guard)  # fmt: skip
         # After each model, so a later model's failure keeps the earlier figures.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")
