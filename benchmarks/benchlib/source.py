@@ -3,7 +3,7 @@
 A long benchmark starts fresh `tandem up` processes case after case, and each imports (and, for
 the CPU kernels, compiles) the code it finds at that moment. In a checkout that is the working
 tree, so an edit during the run changes what later cases run. Planning round 16 lost a run that
-way: a kernel edit that did not compile put every later worker on the PyTorch path, five times
+way: a kernel edit that did not compile put every later worker on the PyTorch path, 5-7 times
 slower per decode step than the profile it was judged against. A harness takes the digest when
 it starts and checks it before each case (``SourceGuard``).
 """
