@@ -33,7 +33,7 @@ def source_digest(roots: Iterable[Path]) -> str:
     for root in roots:
         files = []
         for folder, dirs, names in os.walk(root, followlinks=True):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            dirs[:] = [d for d in dirs if d != "__pycache__"]  # the files are sorted below
             files += [Path(folder, n) for n in names if n.endswith(SOURCE_SUFFIXES)]
         for path in sorted(files):
             digest.update(str(path.relative_to(root)).encode() + b"\0")

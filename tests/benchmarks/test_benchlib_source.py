@@ -33,7 +33,7 @@ def test_the_digest_follows_links_and_counts_source_files_only(tmp_path: Path) -
     assert edited != before
     (tmp_path / "engine" / "kernel.cpp").write_text("int f() { return 1; }\n")
     assert source_digest([pkg]) == before
-    # So does a new module, or a renamed one with the same bytes.
+    # So does a renamed module with the same bytes.
     (tmp_path / "engine" / "step.py").rename(tmp_path / "engine" / "steps.py")
     assert source_digest([pkg]) not in (before, edited)
 
