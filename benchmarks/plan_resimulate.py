@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from plan_report import Row, table
@@ -36,7 +36,10 @@ def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
 def resimulate(run: Path, cores: int) -> list[Row]:
     """Every row of ``run``'s results, its predictions made again from the run's profiles."""
     rows = []
+    known = {f.name for f in fields(Row)}
     for r in json.loads((run / "results.json").read_text()):
+        # A run saved by another version may carry columns this one does not know: drop them.
+        r = {k: v for k, v in r.items() if k in known}
         rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
                   "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds")  # fmt: skip
         row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
