@@ -5,7 +5,9 @@ run's real measurements without running them again: this reads the run's ``resul
 (the cases, their rates and measured p90s) and its profiles (``profile-<model>.json`` for the
 first round, ``profile-<model>-roundN.json`` for later ones), predicts every round again and
 prints the table with the counts ``plan_validation.py`` prints. The requests are the run's own
-(the same workload, seed and profile give the same requests).
+(the same workload, seed and profile give the same requests). A run made with
+``--serving-per-case`` saved each case's profile in its log folder: that one is used, unless
+``--run-profiles`` (then: what the run's profiles alone predict).
 
     python benchmarks/plan_resimulate.py /tmp/planval            # every model of the run
     python benchmarks/plan_resimulate.py /tmp/planval --cores 2  # the cores the run shared
@@ -20,7 +22,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from plan_report import Row, table
-from plan_validation import DEPLOYMENTS, _simulate, case_workload, front_role, workloads
+from plan_validation import DEPLOYMENTS, _simulate, case_dir, case_workload, front_role, workloads
 
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
@@ -33,8 +35,10 @@ def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
     return [first] + [p if p.exists() else first for p in later]
 
 
-def resimulate(run: Path, cores: int) -> list[Row]:
-    """Every row of ``run``'s results, its predictions made again from the run's profiles."""
+def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
+    """Every row of ``run``'s results, its predictions made again from the run's profiles: a
+    case's own (its serving costs measured just before it, ``--serving-per-case``) where the
+    run saved one and ``per_case``, else its round's."""
     rows = []
     known = {f.name for f in fields(Row)}
     for r in json.loads((run / "results.json").read_text()):
@@ -47,6 +51,10 @@ def resimulate(run: Path, cores: int) -> list[Row]:
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
         w = case_workload(row.rate, isl, osl, row.requests)
         p, d = DEPLOYMENTS[row.deployment]
+        for r in range(len(paths)):
+            own = case_dir(run, row.model, row.workload, row.load, row.deployment, r)
+            if per_case and (own / "profile.json").exists():
+                paths[r] = own / "profile.json"
         sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
@@ -67,8 +75,13 @@ def main() -> None:
         default=available_cpus(),
         help="cores the run's workers shared (the simulator's shared_cores)",
     )
+    ap.add_argument(
+        "--run-profiles",
+        action="store_true",
+        help="predict from the run's profiles even where a case saved its own",
+    )
     args = ap.parse_args()
-    print(table(resimulate(args.run, args.cores)))
+    print(table(resimulate(args.run, args.cores, per_case=not args.run_profiles)))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from benchlib.source import SourceGuard
 from plan_report import Row, plot, table
 from replay_load import Measured, replay
 
-from tandem.calibrate import LocalUp, children_cpu
+from tandem.calibrate import LocalUp, children_cpu, measure_serving, serving_cost
 from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
@@ -97,6 +97,29 @@ def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
     return path
 
 
+CASE_SERVING_REQUESTS = 34  # per phase: one segment of `tandem profile`'s serving stage
+
+
+def recalibrate_serving(profile_path: Path, model: str, out: Path, threads: int,
+                        seed: int) -> Path:  # fmt: skip
+    """``profile_path``'s profile with its serving costs measured again now (one segment of
+    the serving stage, ``CASE_SERVING_REQUESTS`` requests per phase), written to ``out``. The
+    step and transfer models stay the profile's. On this host the serving path's per-token
+    CPU moved by up to 2x between profiles of the same code an hour apart, more than the
+    steps did: measured just before a case it is the case's pace, not the profile's."""
+    profile = load_profile(profile_path)
+    sample = measure_serving(model, "tcp", profile.model.sim_token_ids, (), threads,
+                             CASE_SERVING_REQUESTS, seed)  # fmt: skip
+    replace(profile, serving=serving_cost(profile, [sample], "tcp")).save(out)
+    return out
+
+
+def case_dir(out: Path, name: str, wname: str, lname: str, dname: str, rnd: int) -> Path:
+    """A case's round's folder under ``out``: its processes' logs and, with
+    ``--serving-per-case``, the profile it was predicted from (``profile.json``)."""
+    return out / "logs" / f"{name}-{wname}-{lname}-{dname}-{rnd}"
+
+
 def _p90(values: list[float]) -> float:
     return Percentiles.of(values).p90
 
@@ -127,14 +150,17 @@ def _front_metrics(up: LocalUp, p: int) -> str:
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
               quick: bool, cores: int | None, simulated: bool, repeats: int = 1,
               reprofile: Callable[[int], Path] | None = None,
-              guard: SourceGuard | None = None) -> list[Row]:  # fmt: skip
+              guard: SourceGuard | None = None,
+              serving_per_case: bool = False) -> list[Row]:  # fmt: skip
     """Every case's real run of ``model`` (``name`` in the table) ``repeats`` times, the rounds
     interleaved (all cases, then all again): this machine's speed drifts by tens of percent
     over minutes, so a case measured in one stretch would carry that stretch's pace. Each
     case's measured p90 is the median of its rounds. The cases (rates, requests) come from the
     first profile; with ``reprofile`` every later round is predicted from the profile
     ``reprofile(round)`` makes just before it, else from the first. The prediction is the
-    median of the rounds' (the simulator is deterministic for its seed and profile)."""
+    median of the rounds' (the simulator is deterministic for its seed and profile). With
+    ``serving_per_case`` each case is predicted from that profile with its serving costs
+    measured again just before the case (``recalibrate_serving``)."""
     profile = load_profile(profile_path)
     threads = profile.threads
     shapes = workloads(profile.model.max_model_len)
@@ -164,8 +190,12 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
             warm = generate(replace(w, num_requests=4), profile.model.sim_token_ids, 99,
                             profile.model.max_model_len)  # fmt: skip
-            logs = out / "logs" / f"{name}-{wname}-{lname}-{dname}-{rnd}"
+            logs = case_dir(out, name, wname, lname, dname, rnd)
             logs.mkdir(parents=True, exist_ok=True)
+            case_profile = round_profile
+            if serving_per_case and not simulated:
+                case_profile = recalibrate_serving(round_profile, model, logs / "profile.json",
+                                                   threads, seed=1000 * rnd + i)  # fmt: skip
             # Every deployment's workers run the threads the profile's steps were timed with.
             args = ["--model", model, "--prefill", str(p), "--decode", str(d),
                     "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
@@ -183,7 +213,7 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             itl = _p90([m.itl for m in ok if m.itl is not None])
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
             measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft))
-            sim = _simulate(round_profile, w, p, d, cores, simulated)
+            sim = _simulate(case_profile, w, p, d, cores, simulated)
             front_pool = sim.pools[front_role(p)]
             predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90))
             pt, pi, _ = predicted[i][-1]
@@ -249,6 +279,12 @@ def main() -> None:
         help="each worker's engine threads, profiled and served alike (default: what `tandem "
         "up` gives each of two workers on --cores: one core left for the router and client)",
     )
+    ap.add_argument(
+        "--serving-per-case",
+        action="store_true",
+        help="before each case, measure the serving costs again (one segment of "
+        "the profile's serving stage, ~10-30 s) and predict the case from them",
+    )
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
     ap.add_argument(
         "--simulated-workers",
@@ -284,7 +320,8 @@ def main() -> None:
 
         again = None if args.one_profile or name in given else reprofile
         rows += run_model(model, label, profile, out, args.duration, args.quick, args.cores,
-                          args.simulated_workers, args.repeats, again, guard)  # fmt: skip
+                          args.simulated_workers, args.repeats, again, guard,
+                          args.serving_per_case)  # fmt: skip
         # After each model, so a later model's failure keeps the earlier figures.
         (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (out / "table.md").write_text(table(rows) + "\n")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from plan_resimulate import resimulate
-from plan_validation import _simulate
+from plan_validation import _simulate, case_dir
 from sim_profiles import write_profile
 
 from tandem.planner.workload import Arrival, Lengths, Workload
@@ -61,3 +61,27 @@ def test_a_run_that_measured_the_front_worker_gets_its_prediction_again(tmp_path
             for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
     assert row.predicted_worker_ttft_rounds == tuple(want) and all(w > 0 for w in want)
     assert row.worker_ttft_rounds == (0.008, 0.009)
+
+
+def test_a_case_that_saved_its_own_profile_is_predicted_from_it(tmp_path: Path) -> None:
+    run = _run(tmp_path, 2, later_profiles=True)
+    own = case_dir(run, "demo", "chat", "light", "1P1D", 1) / "profile.json"
+    own.parent.mkdir(parents=True)
+    write_profile(own, execute=(0.006, 1e-5, 0, 0, 0, 0, 0))
+    (row,) = resimulate(run, cores=2)
+    want = [_simulate(path, CHAT, 1, 1, 2, simulated=False).itl.p90
+            for path in (run / "profile-demo.json", own)]  # fmt: skip
+    assert row.predicted_itl_rounds == tuple(want)
+    # --run-profiles: what the run's own profiles predict, the case's ignored.
+    (plain,) = resimulate(run, cores=2, per_case=False)
+    round2 = _simulate(run / "profile-demo-round2.json", CHAT, 1, 1, 2, simulated=False)
+    assert plain.predicted_itl_rounds == (want[0], round2.itl.p90) != row.predicted_itl_rounds
+
+
+def test_a_column_another_version_saved_is_ignored(tmp_path: Path) -> None:
+    run = _run(tmp_path, 1, later_profiles=False)
+    (saved,) = json.loads((run / "results.json").read_text())
+    saved["pace_rounds"] = [1.2]
+    (run / "results.json").write_text(json.dumps([saved]))
+    (row,) = resimulate(run, cores=2)
+    assert row.measured_itl_p90 == 0.003 and row.predicted_itl_p90 > 0
