@@ -35,6 +35,12 @@ def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
     return [first] + [p if p.exists() else first for p in later]
 
 
+def _case_profile(run: Path, row: Row, rnd: int) -> Path | None:
+    """The profile a ``--serving-per-case`` run saved for ``row``'s round ``rnd``, if any."""
+    own = case_dir(run, row.model, row.workload, row.load, row.deployment, rnd) / "profile.json"
+    return own if own.exists() else None
+
+
 def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
     """Every row of ``run``'s results, its predictions made again from the run's profiles: a
     case's own (its serving costs measured just before it, ``--serving-per-case``) where the
@@ -51,10 +57,8 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
         w = case_workload(row.rate, isl, osl, row.requests)
         p, d = DEPLOYMENTS[row.deployment]
-        for r in range(len(paths)):
-            own = case_dir(run, row.model, row.workload, row.load, row.deployment, r)
-            if per_case and (own / "profile.json").exists():
-                paths[r] = own / "profile.json"
+        if per_case:
+            paths = [_case_profile(run, row, rnd) or path for rnd, path in enumerate(paths)]
         sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)

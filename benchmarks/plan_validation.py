@@ -105,7 +105,7 @@ def recalibrate_serving(profile_path: Path, model: str, out: Path, threads: int,
     """``profile_path``'s profile with its serving costs measured again now (one segment of
     the serving stage, ``CASE_SERVING_REQUESTS`` requests per phase), written to ``out``. The
     step and transfer models stay the profile's. On this host the serving path's per-token
-    CPU moved by up to 2x between profiles of the same code an hour apart, more than the
+    CPU moved by up to 2x between profiles of the same code hours apart, more than the
     steps did: measured just before a case it is the case's pace, not the profile's."""
     profile = load_profile(profile_path)
     sample = measure_serving(model, "tcp", profile.model.sim_token_ids, (), threads,
@@ -283,7 +283,7 @@ def main() -> None:
         "--serving-per-case",
         action="store_true",
         help="before each case, measure the serving costs again (one segment of "
-        "the profile's serving stage, ~10-30 s) and predict the case from them",
+        "the profile's serving stage, ~20-40 s) and predict the case from them",
     )
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
     ap.add_argument(
