@@ -38,6 +38,15 @@ class Row:
     # predicted by the simulated worker. The rest of the TTFT is the serving path's.
     worker_ttft_rounds: tuple[float, ...] = ()
     predicted_worker_ttft_rounds: tuple[float, ...] = ()
+    # Each round's step seconds over the replay, every worker's: measured (their
+    # tandem_worker_busy_seconds_total) and simulated (PoolStats.engine_seconds). Their ratio is
+    # the pace the machine ran the steps at against the profile's.
+    busy_rounds: tuple[float, ...] = ()
+    predicted_busy_rounds: tuple[float, ...] = ()
+    # Each round's prediction again with every step at that pace (StepCost.scaled): a
+    # diagnostic, not the check. What it leaves is the model's error, not the host's pace.
+    paced_ttft_rounds: tuple[float, ...] = ()
+    paced_itl_rounds: tuple[float, ...] = ()
 
     @property
     def ttft_error(self) -> float:
@@ -56,6 +65,21 @@ class Row:
             abs(t / mt - 1) <= 0.25 and abs(i / mi - 1) <= 0.25
             for mt, mi, t, i in zip(self.ttft_rounds, self.itl_rounds, pt, pi, strict=True)
         )
+
+    @property
+    def pace_rounds(self) -> tuple[float, ...]:
+        """Each round's measured over simulated step seconds (empty: not recorded)."""
+        return tuple(m / p for m, p in zip(self.busy_rounds, self.predicted_busy_rounds,
+                                           strict=True) if p > 0)  # fmt: skip
+
+    def paced(self) -> Row:
+        """This row judged on its predictions at each round's measured pace."""
+        if not self.paced_ttft_rounds:
+            return self
+        t, i = self.paced_ttft_rounds, self.paced_itl_rounds
+        return replace(self, predicted_ttft_p90=statistics.median(t),
+                       predicted_itl_p90=statistics.median(i), predicted_ttft_rounds=t,
+                       predicted_itl_rounds=i)  # fmt: skip
 
     def first_profile(self) -> Row:
         """This row judged on the first round's profile alone (the single-profile figures)."""
@@ -90,17 +114,33 @@ def _worker_cell(r: Row) -> str:
     return f" {m * 1e3:.1f} / {p * 1e3:.1f} ms |"
 
 
+def _paced_cells(r: Row) -> str:
+    """The steps' pace (median of rounds) and the errors of the prediction at it; empty cells
+    for a run saved before they were recorded."""
+    if not r.paced_ttft_rounds:
+        return " | |"
+    p = r.paced()
+    return f" {statistics.median(r.pace_rounds):.2f} | {p.ttft_error:+.0%}, {p.itl_error:+.0%} |"
+
+
 def table(rows: list[Row]) -> str:
     cpu = any(r.cpu_rounds for r in rows)
     worker = any(r.worker_ttft_rounds for r in rows)
+    paced = any(r.paced_ttft_rounds for r in rows)
     lines = [
         "| model | workload | load | rate (req/s) | deployment | TTFT p90 measured (rounds) /"
         " predicted (rounds) (error) | ITL p90 measured (rounds) / predicted (rounds) (error) |"
         + (" CPU per request (rounds) |" if cpu else "")
-        + (" of the TTFT, in the front worker: p90 measured / predicted |" if worker else ""),
+        + (" of the TTFT, in the front worker: p90 measured / predicted |" if worker else "")
+        + (
+            " steps' pace: measured / simulated seconds | at that pace: TTFT, ITL error |"
+            if paced
+            else ""
+        ),
         "| --- | --- | --- | ---: | --- | --- | --- |"
         + (" --- |" if cpu else "")
-        + (" --- |" if worker else ""),
+        + (" --- |" if worker else "")
+        + (" ---: | --- |" if paced else ""),
     ]
     for r in rows:
         spent = " |" if cpu else ""  # a run saved before CPU was recorded: an empty cell
@@ -109,6 +149,8 @@ def table(rows: list[Row]) -> str:
             spent = f" {mid:.1f} ms{_span(r.cpu_rounds, 1e3, 'ms', 1)} |"
         if worker:
             spent += _worker_cell(r)
+        if paced:
+            spent += _paced_cells(r)
         lines.append(
             f"| {r.model} | {r.workload} | {r.load} | {r.rate:g} | {r.deployment} | "
             f"{r.measured_ttft_p90:.3f} s{_span(r.ttft_rounds, 1, 's', 3)} / "
@@ -124,6 +166,12 @@ def table(rows: list[Row]) -> str:
         f"their rounds; {single} of {runs} single runs do (each against its own round's "
         f"prediction)."
     )
+    if paced:
+        within, single, runs = _within([r.paced() for r in rows])
+        lines.append(
+            f"At each round's measured pace (a diagnostic): {within} of {len(rows)} cases; "
+            f"{single} of {runs} single runs."
+        )
     if any(len(set(r.predicted_ttft_rounds)) > 1 for r in rows):
         within, single, runs = _within([r.first_profile() for r in rows])
         lines.append(

@@ -22,7 +22,15 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from plan_report import Row, table
-from plan_validation import DEPLOYMENTS, _simulate, case_dir, case_workload, front_role, workloads
+from plan_validation import (
+    DEPLOYMENTS,
+    _simulate,
+    case_dir,
+    case_workload,
+    engine_seconds,
+    front_role,
+    workloads,
+)
 
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
@@ -51,7 +59,9 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
         # A run saved by another version may carry columns this one does not know: drop them.
         r = {k: v for k, v in r.items() if k in known}
         rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
-                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds")  # fmt: skip
+                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds",
+                  "busy_rounds", "predicted_busy_rounds", "paced_ttft_rounds",
+                  "paced_itl_rounds")  # fmt: skip
         row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
@@ -63,9 +73,19 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
+        # The steps' pace of each round, against this simulator's steps (an older run: none).
+        steps = tuple(engine_seconds(x) for x in sims) if row.busy_rounds else ()
+        paced = []
+        if steps:
+            paced = [
+                _simulate(path, w, p, d, cores, simulated=False, pace=busy / s)
+                for path, busy, s in zip(paths, row.busy_rounds, steps, strict=True)
+            ]
         rows.append(replace(
             row, predicted_ttft_p90=statistics.median(t), predicted_itl_p90=statistics.median(i),
             predicted_ttft_rounds=t, predicted_itl_rounds=i, predicted_worker_ttft_rounds=worker,
+            predicted_busy_rounds=steps, paced_ttft_rounds=tuple(x.ttft.p90 for x in paced),
+            paced_itl_rounds=tuple(x.itl.p90 for x in paced),
         ))  # fmt: skip
     return rows
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchlib.metrics import histogram_quantile, scrape
+from benchlib.metrics import histogram_quantile, scrape, total
 from benchlib.source import SourceGuard
 from plan_report import Row, plot, table
 from replay_load import Measured, replay
@@ -52,6 +52,7 @@ from tandem.planner.workload import Arrival, Lengths, Workload, generate
 
 DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
 WORKER_TTFT = "tandem_worker_time_to_first_token_seconds"  # engine/worker/metrics.py
+BUSY = "tandem_worker_busy_seconds_total"
 
 
 def workloads(max_model_len: int) -> dict[str, tuple[int, int]]:
@@ -125,15 +126,30 @@ def _p90(values: list[float]) -> float:
 
 
 def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
-              simulated: bool) -> SimResult:  # fmt: skip
-    """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``)."""
+              simulated: bool, pace: float = 1.0) -> SimResult:  # fmt: skip
+    """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``); with
+    ``pace``, every step that many times the profile's (``paced_rounds``)."""
+    profile = load_profile(profile_path)
+    if pace != 1.0:
+        profile = replace(profile, step=profile.step.scaled(pace))
     dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
     # Simulated workers wait their steps: they share no cores in the simulator. The replay
     # client runs on the same cores as the workers.
     shared = None if simulated else cores
     options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
                          client_shares_cores=True)  # fmt: skip
-    return simulate(load_profile(profile_path), w, dep, options)
+    return simulate(profile, w, dep, options)
+
+
+def engine_seconds(sim: SimResult) -> float:
+    """The simulated workers' step seconds (every pool), what the real ones' busy counters
+    (``BUSY``) measure."""
+    return sum(pool.engine_seconds for pool in sim.pools.values())
+
+
+def _busy(up: LocalUp) -> float:
+    """Every worker's ``BUSY`` counter, summed."""
+    return sum(total(scrape(f"{w['url']}/metrics"), BUSY) for w in up.workers())
 
 
 def front_role(p: int) -> str:
@@ -176,10 +192,12 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             w = case_workload(rate, isl, osl, n)
             for dname, (p, d) in DEPLOYMENTS.items():
                 cases.append((wname, lname, rate, dname, p, d, w))
-    measured: dict[int, list[tuple[float, float, int, float, float]]] = {
+    # Per case, each round's (TTFT, ITL, failed, CPU per request, front worker's TTFT, busy).
+    measured: dict[int, list[tuple[float, float, int, float, float, float]]] = {
         i: [] for i in range(len(cases))
     }
-    predicted: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(cases))}
+    # ... and (TTFT, ITL, front worker's TTFT, step seconds, paced TTFT, paced ITL).
+    predicted: dict[int, list[tuple[float, ...]]] = {i: [] for i in range(len(cases))}
     round_profile = profile_path
     for rnd in range(repeats):
         if rnd and reprofile is not None:
@@ -205,22 +223,28 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
                 replay(up.url, model, warm)  # tandem up serves --model under that name
                 front = _front_metrics(up, p)
                 hist0, before, own = scrape(front), children_cpu(up.proc.pid), time.process_time()
+                busy = _busy(up)
                 got: list[Measured] = replay(up.url, model, reqs)
                 after, own = children_cpu(up.proc.pid), time.process_time() - own
+                busy = _busy(up) - busy
                 worker_ttft = histogram_quantile(0.9, hist0, scrape(front), WORKER_TTFT)
             ok = [m for m in got if m.error is None]
             ttft = _p90([m.ttft for m in ok if m.ttft is not None])
             itl = _p90([m.itl for m in ok if m.itl is not None])
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
-            measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft))
+            measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft, busy))
             sim = _simulate(case_profile, w, p, d, cores, simulated)
             front_pool = sim.pools[front_role(p)]
-            predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90))
-            pt, pi, _ = predicted[i][-1]
+            # The diagnostic: the same prediction with the steps at the pace the workers ran.
+            pace = busy / engine_seconds(sim)
+            paced = _simulate(case_profile, w, p, d, cores, simulated, pace)
+            predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90,
+                                 engine_seconds(sim), paced.ttft.p90, paced.itl.p90))  # fmt: skip
+            pt, pi = predicted[i][-1][:2]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
-                  f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request",
-                  flush=True)  # fmt: skip
+                  f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request, steps at "
+                  f"{pace:.2f}x the profile's", flush=True)  # fmt: skip
     rows = []
     for i, (wname, lname, rate, dname, _p, _d, w) in enumerate(cases):
         ttfts = tuple(m[0] for m in measured[i])
@@ -236,6 +260,10 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             predicted_itl_rounds=p_itls, cpu_rounds=tuple(m[3] for m in measured[i]),
             worker_ttft_rounds=tuple(m[4] for m in measured[i]),
             predicted_worker_ttft_rounds=tuple(m[2] for m in predicted[i]),
+            busy_rounds=tuple(m[5] for m in measured[i]),
+            predicted_busy_rounds=tuple(m[3] for m in predicted[i]),
+            paced_ttft_rounds=tuple(m[4] for m in predicted[i]),
+            paced_itl_rounds=tuple(m[5] for m in predicted[i]),
         )  # fmt: skip
         rows.append(row)
         print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "

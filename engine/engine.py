@@ -73,6 +73,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Wall seconds of the steps that ran the model, from the step's start to the
+        # scheduler's update (the worker's ``tandem_worker_busy_seconds_total``): against a
+        # profile's predicted step times it says how fast the machine ran meanwhile.
+        self.busy_seconds = 0.0
         self._failed_steps = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -254,6 +258,7 @@ class Engine:
         attributed to end with an error and the engine keeps serving; EngineFailed when its
         state cannot be restored. A steady decode step's outputs are a ``StepOutputs`` (made
         when read); the rest a list."""
+        started = time.perf_counter()
         outputs: list[EngineOutput] = []
         ran: SchedulerOutput | None = None  # None: a failure is not attributable
         try:
@@ -273,6 +278,7 @@ class Engine:
                 result = self.runner.execute(out)
                 self.num_prompt_tokens += out.num_prompt_tokens
                 changed = sched.update(out, result)
+                self.busy_seconds += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - contained; EngineFailed escapes
             self._failed_steps += 1
             if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:

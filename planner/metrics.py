@@ -98,6 +98,9 @@ class PoolStats:
     max_waiting: int
     steps: int
     preemptions: int
+    # Seconds of the workers' steps (contention and the machine's pace included, the serving
+    # work charged to them not): what their tandem_worker_busy_seconds_total would count.
+    engine_seconds: float
     # Arrival at a worker to the first token it sampled (the workers' own TTFT histogram).
     first_token: Percentiles
 

@@ -123,6 +123,10 @@ class SimWorker:
         # Observability of the run.
         self.steps = 0
         self.busy_seconds = 0.0
+        # Of busy_seconds, the engine's steps' share (the rest: serving work charged to
+        # them), as the worker's tandem_worker_busy_seconds_total counts a real one's.
+        self.engine_seconds = 0.0
+        self._engine_share = 1.0
         self.max_waiting = 0
         self.max_kv_usage = 0.0
         self._usage_area = 0.0
@@ -195,17 +199,21 @@ class SimWorker:
         serving = self.owed + self._overhead
         self._owed = 0.0
         self._serving_until = min(self._serving_until, self.loop.now)
-        seconds = self._cores.step(self, self.cost.step_seconds(rows) + serving)
+        engine = self.cost.step_seconds(rows)
+        self._engine_share = engine / (engine + serving) if engine + serving > 0 else 1.0
+        seconds = self._cores.step(self, engine + serving)
         self.busy = True
         self.busy_until = self.loop.now + seconds
         self.steps += 1
         self.busy_seconds += seconds
+        self.engine_seconds += seconds * self._engine_share
         self.loop.after(seconds, lambda: self._finish(out))
 
     def extend(self, seconds: float) -> None:
         """The running step ends ``seconds`` later (work began beside it on shared cores)."""
         self.busy_until += seconds
         self.busy_seconds += seconds
+        self.engine_seconds += seconds * self._engine_share
         self._extension += seconds
 
     def _finish(self, out: SchedulerOutput) -> None:

@@ -207,6 +207,7 @@ def _pool_stats(workers: list[SimWorker], duration: float) -> PoolStats:
         max_waiting=max(w.max_waiting for w in workers),
         steps=sum(w.steps for w in workers),
         preemptions=sum(w.scheduler.num_preemptions for w in workers),
+        engine_seconds=sum(w.engine_seconds for w in workers),
         first_token=Percentiles.of([s for w in workers for s in w.first_token_seconds]),
     )
 

@@ -70,6 +70,10 @@ class LinearModel:
     def predict(self, values: Sequence[float]) -> float:
         return sum(c * v for c, v in zip(self.coefficients, values, strict=True))
 
+    def scaled(self, factor: float) -> LinearModel:
+        """Every prediction ``factor`` times this one's."""
+        return LinearModel(self.features, tuple(c * factor for c in self.coefficients))
+
 
 def fit_linear(
     features: tuple[str, ...], xs: Sequence[Sequence[float]], ys: Sequence[float]
@@ -124,6 +128,11 @@ class StepCost:
     def step_seconds(self, rows: Iterable[tuple[int, int]]) -> float:
         f = step_features(rows)
         return self.execute.predict(f) + self.host.predict(f)
+
+    def scaled(self, factor: float) -> StepCost:
+        """The same steps on a machine ``factor`` times slower (a benchmark's diagnostic: its
+        steps at the pace a run measured)."""
+        return StepCost(self.execute.scaled(factor), self.host.scaled(factor))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ class EngineCollector(Collector):
     def __init__(
         self,
         stats: Callable[[], EngineStats],
-        counters: Callable[[], dict[str, int]],
+        counters: Callable[[], dict[str, float]],
         model: str,
         role: str,
     ) -> None:
@@ -65,6 +65,11 @@ class EngineCollector(Collector):
         )
         yield counter("tandem_prompt_tokens", "Prompt tokens computed", c["prompt_tokens"])
         yield counter("tandem_generation_tokens", "Tokens generated", c["generation_tokens"])
+        yield counter(
+            "tandem_worker_busy_seconds",
+            "Wall seconds of engine steps that ran the model (rate: the engine's utilization)",
+            c["busy_seconds"],
+        )
         preempted = CounterMetricFamily(
             "tandem_preemptions",
             "Requests preempted for lack of KV blocks, by how their KV was kept",
@@ -106,7 +111,10 @@ class EngineCollector(Collector):
 
 
 def worker_registry(
-    stats: Callable[[], EngineStats], counters: Callable[[], dict[str, int]], model: str, role: str
+    stats: Callable[[], EngineStats],
+    counters: Callable[[], dict[str, float]],
+    model: str,
+    role: str,
 ) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(EngineCollector(stats, counters, model, role))

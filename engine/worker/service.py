@@ -101,10 +101,11 @@ class WorkerService:
         seqs = parts.config.scheduler.max_num_seqs
         self.max_waiting = config.max_waiting_requests or WAITING_PER_SEQ * seqs
 
-    def _counters(self) -> dict[str, int]:
+    def _counters(self) -> dict[str, float]:
         return {
             "prompt_tokens": self.engine.num_prompt_tokens,
             "generation_tokens": self.engine.num_generation_tokens,
+            "busy_seconds": self.engine.busy_seconds,
         }
 
     def _after_step(self, engine: Engine) -> None:

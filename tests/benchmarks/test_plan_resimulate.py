@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from plan_resimulate import resimulate
-from plan_validation import _simulate, case_dir
+from plan_validation import _simulate, case_dir, engine_seconds
 from sim_profiles import write_profile
 
 from tandem.planner.workload import Arrival, Lengths, Workload
@@ -85,3 +85,24 @@ def test_a_column_another_version_saved_is_ignored(tmp_path: Path) -> None:
     (run / "results.json").write_text(json.dumps([saved]))
     (row,) = resimulate(run, cores=2)
     assert row.measured_itl_p90 == 0.003 and row.predicted_itl_p90 > 0
+
+
+def test_a_run_that_measured_its_steps_is_predicted_again_at_their_pace(tmp_path: Path) -> None:
+    run = _run(tmp_path, 2, later_profiles=True)
+    plain = [_simulate(run / name, CHAT, 1, 1, 2, simulated=False)
+             for name in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
+    steps = [engine_seconds(s) for s in plain]
+    (saved,) = json.loads((run / "results.json").read_text())
+    # The first round's steps ran at the simulated pace, the second's 1.5x slower.
+    saved["busy_rounds"] = [steps[0], 1.5 * steps[1]]
+    (run / "results.json").write_text(json.dumps([saved]))
+    (row,) = resimulate(run, cores=2)
+    assert row.predicted_busy_rounds == tuple(steps) and all(s > 0 for s in steps)
+    assert row.pace_rounds == pytest.approx((1.0, 1.5))
+    assert row.paced_itl_rounds[0] == plain[0].itl.p90  # at the profile's own pace: the same
+    slow = _simulate(run / "profile-demo-round2.json", CHAT, 1, 1, 2, simulated=False, pace=1.5)
+    assert row.paced_itl_rounds[1] == slow.itl.p90 > plain[1].itl.p90
+    # A run saved before the steps were measured: no pace.
+    (tmp_path / "older").mkdir()
+    (older,) = resimulate(_run(tmp_path / "older", 2, later_profiles=True), cores=2)
+    assert older.pace_rounds == () and older.paced_itl_rounds == ()

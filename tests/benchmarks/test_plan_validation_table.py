@@ -1,5 +1,7 @@
 """plan_validation's table: the counts it judges by, and each round's CPU per request."""
 
+from dataclasses import replace
+
 from plan_report import Row, table
 
 
@@ -51,3 +53,23 @@ def test_the_table_splits_off_the_first_tokens_time_inside_the_front_worker() ->
     assert lines[2].endswith("| 8.0 / 12.0 ms |")
     assert lines[3].endswith("(+0%) | |")
     assert "front worker" not in table([_row("1P1D", (0.02,), (0.002,))])
+
+
+def test_the_table_judges_the_predictions_at_the_measured_pace_apart() -> None:
+    # Measured 30 ms and 3 ms against 20 ms and 2 ms predicted: both -33 %, a miss. The steps
+    # ran 1.5x the simulated seconds; predicted again at that pace, 28 ms and 2.8 ms: within.
+    slow = replace(_row("colocated", (0.03, 0.03), (0.003, 0.003)), busy_rounds=(3.0, 3.0),
+                   predicted_busy_rounds=(2.0, 2.0), paced_ttft_rounds=(0.028, 0.028),
+                   paced_itl_rounds=(0.0028, 0.0028))  # fmt: skip
+    assert slow.pace_rounds == (1.5, 1.5)
+    assert (slow.paced().predicted_ttft_p90, slow.paced().predicted_itl_p90) == (0.028, 0.0028)
+    rows = [slow, _row("1P1D", (0.02,), (0.002,))]  # an older run's row: empty cells
+    text = table(rows)
+    lines = text.splitlines()
+    assert lines[0].endswith(" steps' pace: measured / simulated seconds | at that pace: TTFT,"
+                             " ITL error |")  # fmt: skip
+    assert lines[2].endswith("(-33%) | 1.50 | -7%, -7% |")
+    assert lines[3].endswith("(+0%) | | |")
+    assert "1 of 2 cases have both errors within 25 %" in text
+    assert "At each round's measured pace (a diagnostic): 2 of 2 cases; 3 of 3 single runs." in text
+    assert "measured pace" not in table([_row("1P1D", (0.02,), (0.002,))])

@@ -77,3 +77,23 @@ def test_a_dying_thread_ends_every_stream_in_one_hand_over() -> None:
     ((x, y),) = posts
     assert (x.group_id, y.group_id) == ("x", "y")
     assert all(o.finished and o.index == -1 and o.finish_reason == "error" for o in (x, y))
+
+
+def test_busy_seconds_count_the_steps_that_ran_the_model(monkeypatch) -> None:
+    import types
+
+    import tandem.engine.engine as engine_module
+
+    ticks = iter(range(1000))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)), monotonic=time.monotonic)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(build_engine_config("demo", num_blocks=64))
+    assert engine.step() == [] and engine.busy_seconds == 0.0  # idle: nothing ran
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", PROMPTS["a"], params)
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    # Each step reads the clock at its start and after the update: one tick apart.
+    assert steps == 3 and engine.busy_seconds == 3.0

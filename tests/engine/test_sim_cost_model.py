@@ -12,6 +12,7 @@ from sim_profiles import DEMO_TOKENS, synthetic_profile
 from tandem.engine.sim.cost_model import (
     STEP_FEATURES,
     LinearModel,
+    StepCost,
     TransferCost,
     fit_linear,
     relative_errors,
@@ -26,6 +27,17 @@ def test_step_features_of_a_mixed_batch() -> None:
     rows = [(64, 32), (1, 9), (1, 100), (1, 0)]
     assert step_features(rows) == (1.0, 67.0, 4.0, 1.0, 64 * 32, 64 * 65 / 2, 10 + 101 + 1)
     assert step_features([]) == (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_a_scaled_step_cost_predicts_each_part_that_many_times() -> None:
+    execute = LinearModel(STEP_FEATURES, (0.003, 2e-5, 1e-4, 4e-4, 3e-9, 1e-9, 5e-8))
+    host = LinearModel(STEP_FEATURES, (1e-4, 0.0, 2e-6, 0.0, 0.0, 0.0, 0.0))
+    rows = [(64, 32), (1, 9), (1, 100)]
+    step = StepCost(execute, host)
+    slow = step.scaled(1.25)
+    assert slow.execute_seconds(rows) == pytest.approx(1.25 * step.execute_seconds(rows))
+    assert slow.step_seconds(rows) == pytest.approx(1.25 * step.step_seconds(rows))
+    assert slow.host.coefficients[3] == 0.0 and step.scaled(1.0) == step
 
 
 def test_fit_recovers_exact_coefficients() -> None:

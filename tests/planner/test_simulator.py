@@ -42,7 +42,20 @@ def test_one_colocated_request_has_the_hand_computed_times() -> None:
     # Inside the worker (its TTFT histogram's view): arrival at 2 ms to the token at 15.2 ms.
     first = sim.result.pools["colocated"].first_token
     assert (first.count, first.p90) == (1, pytest.approx(0.0132))
+    # The steps' own seconds: the prefill's 13.2 ms and two decodes'.
+    assert sim.result.pools["colocated"].engine_seconds == pytest.approx(0.0132 + 2 * 0.0101)
     assert_pools_clean(sim)
+
+
+def test_engine_seconds_leave_out_the_serving_work_charged_to_steps() -> None:
+    serving = ServingCost(request_seconds=0.002, token_seconds=0.001, handoff_seconds=0.003,
+                          step_seconds=0.002, worker_request_cpu=0.004)  # fmt: skip
+    profile = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0), serving=serving)
+    sim = run_simulation(profile, one_request(32, 3), Deployment(0, 1))
+    (w,) = sim.workers
+    # Three steps, each 2 ms of overhead; the first also the request's 4 ms.
+    assert w.busy_seconds == pytest.approx(0.0132 + 2 * 0.0101 + 3 * 0.002 + 0.004)
+    assert sim.result.pools["colocated"].engine_seconds == pytest.approx(0.0132 + 2 * 0.0101)
 
 
 def test_one_disaggregated_request_has_the_hand_computed_times() -> None:

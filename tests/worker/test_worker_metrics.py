@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from tandem.engine.outputs import EngineStats, HostTierStats, RequestTimings
 from tandem.engine.worker.metrics import RequestLatency, worker_registry
 
-COUNTERS = {"prompt_tokens": 11, "generation_tokens": 22}
+COUNTERS = {"prompt_tokens": 11, "generation_tokens": 22, "busy_seconds": 1.5}
 LABELS = {"model": "demo", "role": "colocated"}
 
 
@@ -27,6 +27,16 @@ def test_preemptions_are_counted_by_mode() -> None:
     assert reg.get_sample_value("tandem_preemptions_total", {**LABELS, "mode": "swap"}) == 3
     assert reg.get_sample_value("tandem_preemptions_total", {**LABELS, "mode": "recompute"}) == 2
     assert reg.get_sample_value("tandem_kv_host_tier_blocks", LABELS) is None
+
+
+def test_engine_counters_are_exposed_as_given() -> None:
+    reg = registry(None)
+    expected = {
+        "tandem_prompt_tokens_total": 11,
+        "tandem_generation_tokens_total": 22,
+        "tandem_worker_busy_seconds_total": 1.5,
+    }
+    assert {name: reg.get_sample_value(name, LABELS) for name in expected} == expected
 
 
 def test_host_tier_metrics_appear_with_a_tier() -> None:

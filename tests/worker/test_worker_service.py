@@ -166,11 +166,13 @@ def test_latency_histograms_count_each_finished_request(workers: dict) -> None:
         for n in ("queue_time_seconds", "time_to_first_token_seconds", "request_duration_seconds")
     ]
     before = {n: _gauge(url, n) for n in names}  # exported from the start, at 0
+    busy = _gauge(url, "tandem_worker_busy_seconds_total")
     body = {"request_id": "timed", "prompt_token_ids": prompt(7, 20), "sampling_params": GREEDY}
     assert generate(url, body)[-1]["finish_reason"] == "length"
     for n in names:
         assert _gauge(url, n) == before[n] + 1, n
     assert _gauge(url, "tandem_worker_time_to_first_token_seconds_sum") > 0
+    assert _gauge(url, "tandem_worker_busy_seconds_total") > busy  # its steps ran the model
 
 
 def _gauge(url: str, name: str) -> float:
