@@ -9,7 +9,9 @@ included), and compare TTFT p90 and ITL p90 (client view, guidellm's definitions
 By default every round after the first is preceded by a fresh profile, and each round is
 predicted from the profile made just before it (``--one-profile``: every round from the
 first): this machine's pace moves by tens of percent over minutes, and one profile carries the
-pace of the minutes it was made in. The table reports the single-profile figures too.
+pace of the minutes it was made in. The table reports the single-profile figures too, and a
+diagnostic: how fast each case's engine steps ran against the simulator's seconds for them
+(every worker's ``tandem_worker_busy_seconds_total``), and the case predicted again at that pace.
 Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to ``--out``.
 
     python benchmarks/plan_validation.py --models demo --duration 20   # ~20 min (3 rounds)
@@ -244,7 +246,7 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
                   f"(predicted {pi * 1e3:.2f}), CPU {cpu * 1e3:.1f} ms/request, steps at "
-                  f"{pace:.2f}x the profile's", flush=True)  # fmt: skip
+                  f"{pace:.2f}x the simulator's", flush=True)  # fmt: skip
     rows = []
     for i, (wname, lname, rate, dname, _p, _d, w) in enumerate(cases):
         ttfts = tuple(m[0] for m in measured[i])
