@@ -40,7 +40,7 @@ class Row:
     predicted_worker_ttft_rounds: tuple[float, ...] = ()
     # Each round's step seconds over the replay, every worker's: measured (their
     # tandem_worker_busy_seconds_total) and simulated (PoolStats.engine_seconds). Their ratio is
-    # the pace the machine ran the steps at against the profile's.
+    # the pace the machine ran the steps at against the simulator's.
     busy_rounds: tuple[float, ...] = ()
     predicted_busy_rounds: tuple[float, ...] = ()
     # Each round's prediction again with every step at that pace (StepCost.scaled): a

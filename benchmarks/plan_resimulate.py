@@ -75,12 +75,10 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
         # The steps' pace of each round, against this simulator's steps (an older run: none).
         steps = tuple(engine_seconds(x) for x in sims) if row.busy_rounds else ()
-        paced = []
-        if steps:
-            paced = [
-                _simulate(path, w, p, d, cores, simulated=False, pace=busy / s)
-                for path, busy, s in zip(paths, row.busy_rounds, steps, strict=True)
-            ]
+        paced = [
+            _simulate(path, w, p, d, cores, simulated=False, pace=busy / s)
+            for path, busy, s in zip(paths, row.busy_rounds, steps, strict=True)
+        ] if steps else []  # fmt: skip
         rows.append(replace(
             row, predicted_ttft_p90=statistics.median(t), predicted_itl_p90=statistics.median(i),
             predicted_ttft_rounds=t, predicted_itl_rounds=i, predicted_worker_ttft_rounds=worker,

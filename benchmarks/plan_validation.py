@@ -238,10 +238,11 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             sim = _simulate(case_profile, w, p, d, cores, simulated)
             front_pool = sim.pools[front_role(p)]
             # The diagnostic: the same prediction with the steps at the pace the workers ran.
-            pace = busy / engine_seconds(sim)
+            steps = engine_seconds(sim)
+            pace = busy / steps
             paced = _simulate(case_profile, w, p, d, cores, simulated, pace)
             predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90,
-                                 engine_seconds(sim), paced.ttft.p90, paced.itl.p90))  # fmt: skip
+                                 steps, paced.ttft.p90, paced.itl.p90))  # fmt: skip
             pt, pi = predicted[i][-1][:2]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
