@@ -100,7 +100,7 @@ def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
     return path
 
 
-CASE_SERVING_REQUESTS = 34  # per phase: one segment of `tandem profile`'s serving stage
+CASE_SERVING_REQUESTS = 100  # per phase: one segment of `tandem profile`'s serving stage
 
 
 def recalibrate_serving(profile_path: Path, model: str, out: Path, threads: int,
