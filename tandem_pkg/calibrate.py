@@ -63,9 +63,9 @@ from tandem.up_config import ROUTER
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
 # lone ITL. A 34-request segment (100 over three) times 0.4 s of a demo worker's streaming,
-# while this host's pace moves over seconds: 13 such segments back to back gave medians of
-# 0.17-0.30 ms (CV ~20 %) and two profiles 30 minutes apart step_seconds of 0.065 and 0.195
-# ms; 150-request segments gave 0.17-0.21 ms (CV ~8 %).
+# while this host's pace moves over seconds: 16 such segments gave medians of 0.17-0.30 ms
+# (CV 21 %) and two profiles 30 minutes apart step_seconds of 0.065 and 0.195 ms;
+# 150-request segments gave 0.17-0.21 ms (CV 9 %). docs/planning.md, round 20.
 CPU_REQUESTS = 300
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
