@@ -314,7 +314,8 @@ def main() -> None:
         "--serving-per-case",
         action="store_true",
         help="before each case, measure the serving costs again (one segment of "
-        "the profile's serving stage, ~25 s for the demo, ~1.5 min for random-512) and predict the case from them",
+        "the profile's serving stage, ~25 s for the demo, ~1.5 min for random-512) and "
+        "predict the case from them",
     )
     ap.add_argument("--out", default=None, help="output directory (default: a temp dir)")
     ap.add_argument(
