@@ -14,7 +14,7 @@ diagnostic: how fast each case's engine steps ran against the simulator's second
 (every worker's ``tandem_worker_busy_seconds_total``), and the case predicted again at that pace.
 Writes ``results.json``, a Markdown table and the predicted-vs-measured plot to ``--out``.
 
-    python benchmarks/plan_validation.py --models demo --duration 20   # ~20 min (3 rounds)
+    python benchmarks/plan_validation.py --models demo --duration 20   # ~25 min (3 rounds)
     python benchmarks/plan_validation.py                       # demo + random-512, ~2 h
     python benchmarks/plan_validation.py --models demo --quick # a smoke run, ~5 min
     python benchmarks/plan_validation.py --simulated-workers   # the simulator against
@@ -44,7 +44,7 @@ from benchlib.source import SourceGuard
 from plan_report import Row, plot, table
 from replay_load import Measured, replay
 
-from tandem.calibrate import LocalUp, children_cpu, measure_serving, serving_cost
+from tandem.calibrate import CPU_REQUESTS, LocalUp, children_cpu, measure_serving, serving_cost
 from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
@@ -100,7 +100,8 @@ def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
     return path
 
 
-CASE_SERVING_REQUESTS = 100  # per phase: one segment of `tandem profile`'s serving stage
+# Per phase: one segment of `tandem profile`'s serving stage (its default three passes).
+CASE_SERVING_REQUESTS = -(-CPU_REQUESTS // 3)
 
 
 def recalibrate_serving(profile_path: Path, model: str, out: Path, threads: int,
