@@ -134,10 +134,27 @@ def wait_for(cluster: Cluster, what: str, probe: Callable[[], T | None], timeout
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n--- operator log ---\n{cluster.log()}")
+            pytest.fail(
+                f"timed out waiting for {what}\n--- TandemServices ---\n{services_report(cluster)}"
+                f"\n--- operator log ---\n{cluster.log()}"
+            )
         # Not a synchronization sleep: the poll period, kept long enough that polling does not
         # load the in-process emulator more than the operator does.
         time.sleep(0.5)
+
+
+def services_report(cluster: Cluster) -> str:
+    """Each TandemService's conditions and the namespace's last Events: the operator's log
+    names no objects, so a reconcile that degraded (and made no children) shows only here."""
+    lines = []
+    for obj in (cluster.get(TSVC) or {}).get("items") or []:
+        status = obj.get("status") or {}
+        lines.append(f"{obj['metadata']['name']}: {json.dumps(status.get('conditions'))}")
+    events = (cluster.get("/api/v1/namespaces/default/events") or {}).get("items") or []
+    for e in events[-12:]:
+        who = e.get("involvedObject", {}).get("name")
+        lines.append(f"event {who} {e.get('reason')}: {e.get('message')}")
+    return "\n".join(lines)
 
 
 def tandem_service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
