@@ -84,10 +84,16 @@ def main(argv: list[str]) -> int:
         build_parser().error("--metrics-port must be in 0..65535")
     if not args.namespace and not args.all_namespaces:
         build_parser().error("give --namespace NS (repeatable) or --all-namespaces")
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    # Kopf's formatter puts "[namespace/name]" before every per-object line ("Timer 'resync'
+    # succeeded"), which a plain logging.basicConfig drops: without it a log cannot say which
+    # TandemService a handler ran for.
+    kopf.configure(
+        verbose=args.verbose,
+        log_format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        log_prefix=True,
     )
+    logging.getLogger("asyncio").propagate = True  # configure() mutes asyncio's own errors
+    logging.getLogger("asyncio").handlers.clear()
     cfg = OperatorConfig(
         resync_seconds=args.resync_seconds,
         scrape_timeout_seconds=args.scrape_timeout_seconds,
