@@ -144,8 +144,8 @@ def wait_for(cluster: Cluster, what: str, probe: Callable[[], T | None], timeout
 
 
 def services_report(cluster: Cluster) -> str:
-    """Each TandemService's conditions and the namespace's last Events: the operator's log
-    names no objects, so a reconcile that degraded (and made no children) shows only here."""
+    """Each TandemService's conditions and the namespace's last Events: a reconcile that
+    degraded (and so made no children) logs nothing, and says why only in these."""
     lines = []
     for obj in (cluster.get(TSVC) or {}).get("items") or []:
         status = obj.get("status") or {}
