@@ -77,6 +77,8 @@ from tandem.operator.status import (
 
 FINALIZER = "tandem.dev/finalizer"
 
+log = logging.getLogger("tandem.operator")
+
 
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
@@ -226,6 +228,10 @@ class Controller:
         previous = {c.get("type"): c for c in status.get("conditions") or []}
         if problem is not None and previous.get("Degraded", {}).get("message") != problem.message:
             kopf.event(body, type="Warning", reason=problem.reason.camel, message=problem.message)
+            # Once per new problem, as the Event: the passes that follow succeed quietly, so
+            # without this line the operator's log never says why no children appear.
+            log.warning("%s/%s degraded (%s): %s", owner.namespace, owner.name,
+                        problem.reason.camel, problem.message)  # fmt: skip
         pools = pools_from(owner, applied) if applied else await read_pools(self.client, owner)
         self.metrics.record_pools(owner.namespace, owner.name, pools)
         self.metrics.reconciles.labels("ok" if problem is None else "degraded").inc()

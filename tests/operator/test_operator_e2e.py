@@ -371,6 +371,9 @@ def test_invalid_spec_degrades_and_keeps_children(cluster: Cluster) -> None:
     )
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert "minReplicas (5) is greater than" in degraded["message"]
+    # The operator's log says it once, naming the object, as the Warning Event does.
+    whole = cluster.log_path.read_text(errors="replace")
+    assert whole.count("default/strict degraded (InvalidSpec): spec.autoscaling") == 1
     assert status["observedGeneration"] == 1
     # The running children were left exactly as they were.
     assert deployment_field(cluster, "strict-prefill", lambda d: d["spec"]["replicas"]) == 1
