@@ -127,9 +127,19 @@ class FusedOps:
         self.use_kernels = use_kernels
         self.cpu_kernels = False
         if use_kernels:
-            from tandem import kernels
+            # From their modules, not through the package: once any code has imported the
+            # module tandem.kernels.rms_norm, the package's attribute of that name is the
+            # module, not the function its lazy __getattr__ gives ("'module' object is not
+            # callable", found on the first GPU run).
+            from tandem.kernels.activation import silu_and_mul
+            from tandem.kernels.rms_norm import rms_norm
+            from tandem.kernels.rotary import rotary_embedding
 
-            self._k = kernels
+            self._rms_norm, self._rotary, self._silu_and_mul = (
+                rms_norm,
+                rotary_embedding,
+                silu_and_mul,
+            )
         elif cpu_kernels:
             from tandem.kernels import cpu_ops
 
@@ -143,7 +153,7 @@ class FusedOps:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.use_kernels:
-            return self._k.rms_norm(x, weight, eps, residual)
+            return self._rms_norm(x, weight, eps, residual)
         if self._native(x):
             return self._cpu.cpu_rms_norm(x, weight, eps, residual)
         return rms_norm_ref(x, weight, eps, residual)
@@ -154,7 +164,7 @@ class FusedOps:
         """Rotates q and k in place (all paths) and returns them; q and k may be strided views
         of the fused projection on the CPU-kernel path, and must be contiguous otherwise."""
         if self.use_kernels:
-            self._k.rotary_embedding(positions, q, k, cache)
+            self._rotary(positions, q, k, cache)
         elif self._native(q):
             self._cpu.cpu_rotary_embedding(positions, q, k, cache)
         else:
@@ -174,7 +184,7 @@ class FusedOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
-            return self._k.silu_and_mul(x)
+            return self._silu_and_mul(x)
         if self._native(x):
             return self._cpu.cpu_silu_and_mul(x)
         # Per-op rounding in the model dtype, as in Hugging Face; see rotary.

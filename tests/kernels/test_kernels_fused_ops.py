@@ -133,3 +133,31 @@ def test_silu_and_mul_matches_reference(poisoned_alloc: None) -> None:
     torch.testing.assert_close(out, silu_and_mul_ref(x), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="2\\*I"):
         silu_and_mul(big[:, :7])
+
+
+def test_the_models_fused_ops_call_the_kernels_after_their_modules_are_imported() -> None:
+    """This file imports the module ``tandem.kernels.rms_norm``, which replaces the package's
+    lazy export of that name with the module; the model's ``FusedOps`` on the kernel path (CUDA)
+    must still call the functions. The first GPU run failed every CUDA engine test on this."""
+    from tandem.engine.models.llama import FusedOps
+
+    ops = FusedOps(use_kernels=True)
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn((4, 64), generator=gen), torch.randn((4, 64), generator=gen)
+    weight = torch.rand((64,), generator=gen) + 0.5
+    out, new_residual = ops.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    assert new_residual is not None and torch.equal(new_residual, ref_residual)
+
+    gate_up = torch.randn((4, 2 * 48), generator=gen)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
+
+    cache = compute_cos_sin_cache(32, 10000.0, 20)
+    positions = torch.tensor([0, 3, 7, 19])
+    q, k = torch.randn((4, 2, 32), generator=gen), torch.randn((4, 1, 32), generator=gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    ops.rotary(positions, q, k, cache)
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-5)
