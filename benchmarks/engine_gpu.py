@@ -25,7 +25,7 @@ import time
 
 import torch
 from offline_throughput import write_random_llama
-from single_stream import per_token_s
+from single_stream import hf, per_token_s
 
 
 def _generate(llm, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -42,23 +42,6 @@ def _throughput(llm, prompts: list[list[int]], tokens: int) -> float:
     outs = _generate(llm, prompts, tokens)
     torch.cuda.synchronize()
     return sum(len(o) for o in outs) / (time.perf_counter() - t0)
-
-
-def _hf_per_token(path: str, prompt: list[int], n: int, repeats: int) -> float:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = model.to("cuda").eval()
-    ids = torch.tensor([prompt], device="cuda")
-
-    def generate(k: int) -> None:
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
-                           min_new_tokens=k, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)  # fmt: skip
-        torch.cuda.synchronize()
-
-    return per_token_s(generate, n, repeats)
 
 
 def main() -> int:
@@ -106,18 +89,11 @@ def main() -> int:
         "single_stream_ms_per_token": {},
     }
     one = prompts[0][:64]
-
-    def ours(llm):
-        def generate(k: int) -> None:
-            _generate(llm, [one], k)
-
-        return generate
-
     single = result["single_stream_ms_per_token"]
-    single["graphs"] = per_token_s(ours(graphs), 128, 5) * 1e3
-    single["eager"] = per_token_s(ours(eager), 128, 5) * 1e3
-    single["cpu"] = per_token_s(ours(cpu), 32, 3) * 1e3
-    single["hf_cuda"] = _hf_per_token(path, one, 128, 5) * 1e3
+    for name, llm, n, repeats in (("graphs", graphs, 128, 5), ("eager", eager, 128, 5),
+                                  ("cpu", cpu, 32, 3)):  # fmt: skip
+        single[name] = per_token_s(lambda k, llm=llm: _generate(llm, [one], k), n, repeats) * 1e3
+    single["hf_cuda"] = hf(path, one, 128, 5, device="cuda") * 1e3
     for llm in (graphs, eager, cpu):
         llm.engine.check_integrity()
     text = json.dumps(result, indent=2)

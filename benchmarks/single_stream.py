@@ -53,11 +53,12 @@ def tandem(path: str, prompt: list[int], n: int, repeats: int, **options) -> flo
     return per_token_s(generate, n, repeats)
 
 
-def hf(path: str, prompt: list[int], n: int, repeats: int) -> float:
+def hf(path: str, prompt: list[int], n: int, repeats: int, device: str = "cpu") -> float:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    ids = torch.tensor([prompt], device=device)
 
     def generate(k: int) -> None:
         with torch.inference_mode():
@@ -66,6 +67,8 @@ def hf(path: str, prompt: list[int], n: int, repeats: int) -> float:
                 do_sample=False, eos_token_id=None, pad_token_id=0,
             )  # fmt: skip
         assert out.shape[1] == len(prompt) + k
+        if device != "cpu":
+            torch.cuda.synchronize()  # the timer must see the GPU's work done
 
     return per_token_s(generate, n, repeats)
 

@@ -135,11 +135,9 @@ class FusedOps:
             from tandem.kernels.rms_norm import rms_norm
             from tandem.kernels.rotary import rotary_embedding
 
-            self._rms_norm, self._rotary, self._silu_and_mul = (
-                rms_norm,
-                rotary_embedding,
-                silu_and_mul,
-            )
+            self._rms_norm = rms_norm
+            self._rotary = rotary_embedding
+            self._silu_and_mul = silu_and_mul
         elif cpu_kernels:
             from tandem.kernels import cpu_ops
 

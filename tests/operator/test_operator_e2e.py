@@ -144,8 +144,8 @@ def wait_for(cluster: Cluster, what: str, probe: Callable[[], T | None], timeout
 
 
 def services_report(cluster: Cluster) -> str:
-    """Each TandemService's conditions and the namespace's last Events: a reconcile that
-    degraded (and so made no children) logs nothing, and says why only in these."""
+    """Each TandemService's conditions and the namespace's last Events: why a reconcile
+    degraded (and so made no children), beside the operator's log."""
     lines = []
     for obj in (cluster.get(TSVC) or {}).get("items") or []:
         status = obj.get("status") or {}
