@@ -48,18 +48,28 @@ class RouterConfig:
 
 
 class RouterLoop:
-    """One router process's event loop as a single FIFO server on the virtual clock."""
+    """One router process's event loop as a single FIFO server on the virtual clock.
 
-    __slots__ = ("loop", "busy_until", "busy_seconds", "share")
+    ``wake_share`` of each item's CPU (measured one request at a time, where every item finds
+    the loop asleep) is the loop waking for it: an item that arrives while the loop is busy
+    is picked up by the running iteration and costs only the rest. With several streams a
+    loop handles many ready sockets per wake-up, so its CPU per token falls (the serving
+    calibration measures both ends: ``ServingCost.router_wake_share``)."""
 
-    def __init__(self, loop: EventLoop, share: CoreShare | None = None) -> None:
+    __slots__ = ("loop", "busy_until", "busy_seconds", "share", "wake_share")
+
+    def __init__(self, loop: EventLoop, share: CoreShare | None = None,
+                 wake_share: float = 0.0) -> None:  # fmt: skip
         self.loop = loop
         self.busy_until = 0.0
         self.busy_seconds = 0.0
         self.share = share  # told of each burst of CPU, where the cores are shared
+        self.wake_share = wake_share
 
     def _queue(self, cpu: float) -> None:
         start = max(self.loop.now, self.busy_until)
+        if self.busy_until > self.loop.now:  # awake: no wake-up to pay
+            cpu *= 1.0 - self.wake_share
         wall = cpu
         if self.share is not None:
             # The loop is a thread on the shared cores: its burst runs at its share of them.
@@ -124,8 +134,12 @@ class SimRouter:
         self.gaps: list[float] = []  # every gap the client sees
         self.decode_gaps: list[float] = []  # every gap after the router's first token
         self.placements: dict[str, int] = {}
-        self.loops = [RouterLoop(loop, share) for _ in range(config.routers)]
-        self.client = RouterLoop(loop, share) if client_loop and share is not None else None
+        self.loops = [RouterLoop(loop, share, serving.router_wake_share)
+                      for _ in range(config.routers)]  # fmt: skip
+        self.client = (
+            RouterLoop(loop, share, serving.client_wake_share)
+            if client_loop and share is not None else None
+        )  # fmt: skip
         self._loop_of: dict[str, RouterLoop] = {}
         self._arrivals = 0
         self._spread = serving.request_spread if seed is not None else ()

@@ -74,6 +74,7 @@ class SimWorker:
         row_overhead: float = 0.0,
         request_overhead: float = 0.0,
         transfer_overhead: float = 0.0,
+        row_wake_share: float = 0.0,
     ) -> None:
         self.loop = loop
         self.engine_id = engine_id
@@ -91,6 +92,7 @@ class SimWorker:
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
+        self._row_wake_share = row_wake_share  # of row_overhead: waking the HTTP thread
         # Streaming a step's tokens runs on the worker's HTTP thread after the step, in parallel
         # with the next one where a core is free: CPU the shared-core slowdown counts while
         # ``shell_busy_until`` is ahead, not time added to the step. The thread is a FIFO
@@ -229,7 +231,12 @@ class SimWorker:
                 self.first_token_seconds.append(now - t0)
         self._track_usage()
         start = max(self.loop.now, self.shell_busy_until)
-        wall = self._cores.burst_seconds(self, start, self._row_overhead * len(changed))
+        # The step's rows reach the HTTP thread in one hand-over: a thread already busy (with
+        # the last step's rows) takes them without waking (``RouterLoop``'s ``wake_share``).
+        awake = self.shell_busy_until > self.loop.now
+        no_wake = len(changed) - (0 if awake or not changed else 1)  # riders on a wake-up
+        cpu = self._row_overhead * (len(changed) - self._row_wake_share * no_wake)
+        wall = self._cores.burst_seconds(self, start, cpu)
         self._cores.burst(start, start + wall, 1, self)
         self.shell_busy_until = start + wall
         per_row = wall / len(changed) if changed else 0.0

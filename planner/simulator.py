@@ -158,6 +158,7 @@ def run_simulation(
             loop, f"{role.label}-{n}", role, profile.step, cfg, num_blocks, e.block_size,
             profile.model.sim_token_ids, fabric, router.callbacks, share,
             sv.step_seconds, sv.row_seconds, sv.request_cpu(role), sv.transfer_cpu(role),
+            sv.row_wake_share,
         )  # fmt: skip
         if options.record_history:
             w.history = []

@@ -14,7 +14,9 @@ the steps themselves. Measured, with the profile's step model subtracted:
   request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
   and its half of the KV transfer); and this process's own CPU, the client's, per request and
   per token (``client_request_cpu``, ``client_token_cpu``), for runs whose load generator shares
-  the machine;
+  the machine; and the same colocated requests ``wake_shares.BATCH`` at a time, from which the
+  share of each lone token's CPU that is waking the router's, the client's and the worker's
+  streaming thread (``*_wake_share``: a token reaching a busy thread does not pay it);
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
   token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
   thread, so its rows are off the step's path); the first token minus the predicted prefill
@@ -48,7 +50,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,7 @@ from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
 from tandem.up_config import ROUTER
+from tandem.wake_shares import BATCH, send_batches, wake_share
 
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
@@ -214,13 +217,17 @@ class ServingSample:
     """One segment's raw measurements (``measure_serving``): each answer's chunk times in the
     order sent, colocated (``alone``) and 1P1D (``pd``), and each process's CPU seconds per
     request (by `tandem` subcommand, the client under ``CLIENT``) over OSL-token requests
-    (``cpu_long``), one-token ones (``cpu_short``) and 1P1D ones (``cpu_pd``)."""
+    (``cpu_long``), one-token ones (``cpu_short``) and 1P1D ones (``cpu_pd``), and over the
+    same colocated requests sent ``wake_shares.BATCH`` at a time (``cpu_batch_long``,
+    ``cpu_batch_short``; empty: not measured)."""
 
     alone: tuple[tuple[float, ...], ...]
     pd: tuple[tuple[float, ...], ...]
     cpu_long: dict[str, float]
     cpu_short: dict[str, float]
     cpu_pd: dict[str, float]
+    cpu_batch_long: dict[str, float] = field(default_factory=dict)
+    cpu_batch_short: dict[str, float] = field(default_factory=dict)
 
 
 def measure_serving(
@@ -264,6 +271,14 @@ def measure_serving(
 
             cpu_long = _cpu_per_request(up, serial(up, alone))
             cpu_short = _cpu_per_request(up, one_token)
+            n = max(BATCH, requests - requests % BATCH)
+            url = up.url
+            cpu_batch_long = _cpu_per_request(
+                up, lambda: send_batches(url, model, [prompt() for _ in range(n)], OSL)
+            )
+            cpu_batch_short = _cpu_per_request(
+                up, lambda: send_batches(url, model, [prompt() for _ in range(n)], 1)
+            )
         with _up(model, 1, transport, options, threads, log_dir) as up:
             for _ in range(WARMUP):
                 stream(up, prompt())
@@ -271,6 +286,7 @@ def measure_serving(
     return ServingSample(
         alone=tuple(tuple(t) for t in alone), pd=tuple(tuple(t) for t in pd),
         cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd,
+        cpu_batch_long=cpu_batch_long, cpu_batch_short=cpu_batch_short,
     )  # fmt: skip
 
 
@@ -329,6 +345,18 @@ def serving_cost(
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
     row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
     worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
+    # The same tokens BATCH streams at a time: what of each lone token's cost is a wake-up.
+    b_short = _mean_cpu([s.cpu_batch_short for s in segments])
+    b_long = _mean_cpu([s.cpu_batch_long for s in segments])
+
+    def batched_token(key: str) -> float:
+        return (b_long.get(key, 0.0) - b_short.get(key, 0.0)) / (OSL - 1)
+
+    router_wake = wake_share(router_token, batched_token(ROUTER)) if b_long else 0.0
+    client_wake = wake_share(client_token, batched_token(CLIENT)) if b_long else 0.0
+    decode_batch = step.step_seconds([(1, ISL + OSL // 2)] * BATCH) / BATCH
+    row_batch = batched_token("colocated") - decode_batch * threads
+    row_wake = wake_share(row, row_batch) if b_long and w_short else 0.0
     # P/D: each side's CPU per request beyond its steps (and the decode side's rows) is its
     # request handling plus its half of the KV transfer.
     p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
@@ -365,6 +393,9 @@ def serving_cost(
         decode_request_cpu=round(decode_request, 6),
         client_request_cpu=round(client_request, 6),
         client_token_cpu=round(client_token, 7),
+        router_wake_share=round(router_wake, 3),
+        client_wake_share=round(client_wake, 3),
+        row_wake_share=round(row_wake, 3),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

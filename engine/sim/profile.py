@@ -118,6 +118,14 @@ class ServingCost:
     decode_request_cpu: float = 0.0  # on a decode worker, with its pull
     client_request_cpu: float = 0.0
     client_token_cpu: float = 0.0
+    # Of each item's CPU above (measured one request at a time, every item waking its thread),
+    # the share that is the wake-up: an item reaching a thread already busy costs only the
+    # rest (the router's and the client's loops per request and per token, a worker's HTTP
+    # thread per streamed row). Measured from the same requests sent several at once; 0: not
+    # measured (every item pays it all).
+    router_wake_share: float = 0.0
+    client_wake_share: float = 0.0
+    row_wake_share: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -214,6 +222,8 @@ class Profile:
                 "decode_request_cpu": s.decode_request_cpu,
                 "client_request_cpu": s.client_request_cpu,
                 "client_token_cpu": s.client_token_cpu,
+                "router_wake_share": s.router_wake_share,
+                "client_wake_share": s.client_wake_share, "row_wake_share": s.row_wake_share,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -250,6 +260,12 @@ def _list(v: Any, where: str) -> list[Any]:
 def _seconds(v: Any, where: str) -> float:
     if type(v) not in (int, float) or not 0 <= v < 1e6:
         raise ValueError(f"profile: {where} must be a number of seconds >= 0, got {v!r}")
+    return float(v)
+
+
+def _share(v: Any, where: str) -> float:
+    if type(v) not in (int, float) or not 0 <= v <= 1:
+        raise ValueError(f"profile: {where} must be a share in [0, 1], got {v!r}")
     return float(v)
 
 
@@ -381,6 +397,10 @@ def profile_from_dict(data: Any) -> Profile:
                 "client_token_cpu",
                 "pace_seconds",
             )  # fmt: skip
+        },
+        **{
+            k: _share(sv.get(k, 0.0), f"serving.{k}")
+            for k in ("router_wake_share", "client_wake_share", "row_wake_share")
         },
         **{
             k: tuple(_seconds(v, f"serving.{k}") for v in _list(sv.get(k, []), f"serving.{k}"))

@@ -97,6 +97,7 @@ def _raw() -> dict:
         (lambda d: d["model"].update(sim_token_ids=[]), "must not be empty"),
         (lambda d: d["transfer"]["models"].update(tcp="fast"), "transfer.models.tcp"),
         (lambda d: d["serving"].update(token_seconds=math.inf), "serving.token_seconds"),
+        (lambda d: d["serving"].update(row_wake_share=1.5), r"serving.row_wake_share .*\[0, 1\]"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(mutate, message: str) -> None:  # noqa: ANN001

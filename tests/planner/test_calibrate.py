@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sim_profiles import synthetic_profile
 
 from tandem.calibrate import (
+    ISL,
     OSL,
     ServingSample,
     children_cpu,
@@ -19,6 +21,7 @@ from tandem.calibrate import (
     serving_cost,
     steady_quantiles,
 )
+from tandem.wake_shares import BATCH, wake_share
 
 
 def test_quantiles_are_evenly_spaced_order_statistics() -> None:
@@ -104,6 +107,41 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.token_seconds == pytest.approx(served - request, abs=1e-6)
     # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
+
+
+def test_wake_share_is_what_batching_saves_per_item_scaled_to_one_wake_up_per_batch() -> None:
+    # alone = c + w = 100 us, batched = c + w / 8 = 44 us: w = 64 us, 64 % of the lone cost.
+    assert wake_share(100e-6, 44e-6, 8) == pytest.approx(0.64)
+    assert wake_share(100e-6, 100e-6) == 0.0  # batching saved nothing
+    assert wake_share(100e-6, 120e-6) == 0.0  # dearer batched (noise): no share, not negative
+    assert wake_share(100e-6, 0.0) == 1.0  # clamped
+    assert wake_share(0.0, 1e-6) == 0.0 and wake_share(1e-4, 5e-5, batch=1) == 0.0
+
+
+def test_serving_cost_derives_each_threads_wake_share_from_the_batched_phases() -> None:
+    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
+    decode1 = 0.00201
+    # Alone: the router 200 us a token, the client 80, the worker's row 300 beyond its step.
+    cpu_long = {"router": 0.003 + 31 * 0.0002, "colocated": 0.00332 + 31 * (decode1 + 0.0003),
+                "client": 0.001 + 31 * 0.00008}  # fmt: skip
+    cpu_short = {"router": 0.003, "colocated": 0.00332, "client": 0.001}
+    # Batched: the router 60 us a token, the client 80 (nothing saved), the worker's row 90.
+    decode_b = profile.step.step_seconds([(1, ISL + OSL // 2)] * BATCH) / BATCH
+    b_long = {"router": 0.002 + 31 * 0.00006, "colocated": 0.001 + 31 * (decode_b + 0.00009),
+              "client": 0.0005 + 31 * 0.00008}  # fmt: skip
+    b_short = {"router": 0.002, "colocated": 0.001, "client": 0.0005}
+    sample = ServingSample(
+        alone=_answers(0.01, 0.0025, 10), pd=_answers(0.02, 0.01, 5), cpu_long=cpu_long,
+        cpu_short=cpu_short, cpu_pd={}, cpu_batch_long=b_long, cpu_batch_short=b_short,
+    )  # fmt: skip
+    cost = serving_cost(profile, [sample], "tcp")
+    assert cost.router_wake_share == pytest.approx((1 - 60 / 200) * 8 / 7, abs=1e-3)
+    assert cost.client_wake_share == 0.0
+    assert cost.row_wake_share == pytest.approx((1 - 90 / 300) * 8 / 7, abs=1e-3)
+    # The lone figures are what they were without the batched phases.
+    lone = serving_cost(profile, [replace(sample, cpu_batch_long={}, cpu_batch_short={})], "tcp")
+    assert lone.router_wake_share == lone.client_wake_share == lone.row_wake_share == 0.0
+    assert replace(cost, router_wake_share=0.0, row_wake_share=0.0) == lone
 
 
 def test_serving_cost_of_no_complete_answers_is_refused() -> None:

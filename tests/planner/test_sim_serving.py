@@ -46,6 +46,21 @@ def test_a_router_loop_serves_its_work_first_come_first_served() -> None:
     assert router.busy_seconds == pytest.approx(0.003) and not router.busy
 
 
+def test_a_loop_charges_the_wake_up_only_to_work_that_finds_it_idle() -> None:
+    # 40 % of each item's 1 ms is waking the loop: the first of three items at t=0 pays it,
+    # the two that queue behind it ride the running loop (0.6 ms each); an item at t=5 ms
+    # finds the loop asleep again and pays the whole 1 ms.
+    loop = EventLoop()
+    router = RouterLoop(loop, wake_share=0.4)
+    for _ in range(3):
+        router.serve(0.001, 0.0, lambda: None)
+    assert router.busy_until == pytest.approx(0.0022)
+    loop.at(0.005, lambda: router.serve(0.001, 0.0, lambda: None))
+    loop.run()
+    assert router.busy_until == pytest.approx(0.006)
+    assert router.busy_seconds == pytest.approx(0.0032)
+
+
 def test_router_cpu_queues_placements_behind_each_other() -> None:
     # Two requests 1 us apart onto two colocated workers (round robin: one each). Placing one
     # costs the router 4 ms of CPU within its 4 ms latency, so the second is placed 4 ms after
@@ -202,6 +217,25 @@ def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
         assert run(rows, cores)[2] == pytest.approx(23 * 0.02)
     # One core: every step after the first shares it with the streaming thread, at half speed.
     assert run(rows, 1)[1] == pytest.approx(busy + (busy - 0.0116), rel=0.05)
+
+
+def test_a_steps_rows_wake_the_streaming_thread_once() -> None:
+    # The same four streams with 2 ms a row (the streaming thread idles between steps): a
+    # step's rows arrive in one hand-over, so with half of a row's cost its wake-up, a step of
+    # n rows costs the thread 2 ms + (n - 1) x 1 ms instead of n x 2 ms.
+    w = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
+                 arrival=Arrival.CONSTANT)  # fmt: skip
+
+    # The last step has three rows (steps as in the test above): 6 ms of streaming alone,
+    # 2 + 1 + 1 = 4 ms with the wake-up paid once, its rows leaving evenly over that burst.
+    spans = {}
+    for share in (0.0, 0.5):
+        serving = replace(BASE, row_seconds=0.002, row_wake_share=share)
+        sim = run_simulation(replace(PROFILE, serving=serving), w, Deployment(0, 1),
+                             SimOptions(variability=False))  # fmt: skip
+        ends = sorted(t.last_token for t in sim.result.traces)
+        spans[share] = ends[-1] - ends[-2]
+    assert spans[0.0] == pytest.approx(0.006 / 3) and spans[0.5] == pytest.approx(0.004 / 3)
 
 
 def test_shared_cores_are_processor_shared_over_the_overlap_only() -> None:

@@ -1,0 +1,62 @@
+"""Wake-up shares: how much of a serving thread's CPU per token is waking it up.
+
+The serving stage (``calibrate.py``) measures CPU one request at a time, where every streamed
+token finds the router's event loop, the client's and the worker's HTTP thread asleep: each
+token pays a wake-up (the poll returning, the loop's turn, a system call per socket). With
+several streams one wake-up serves every ready socket. Measured on the demo model in one
+`tandem up`, the router's CPU per token fell from 100-126 us with one stream to 44-48 us with
+eight, the client's from 72-76 to 27-28 us (docs/planning.md, round 23). Charging the lone cost
+to every token made the simulator's CPU per request 11 % too high on median over five
+validation runs, up to 2x for the decode-heavy workload.
+
+The simulator's loops charge the wake-up only to the item that finds their thread idle
+(``planner.sim_router.RouterLoop``, ``planner.sim_worker.SimWorker``). With a lone token's cost
+``alone = c + w`` and the cost per token of ``B`` streams whose tokens arrive together (one
+step makes them) ``batched = c + w / B``, the share of the lone cost that is the wake-up is
+
+    share = (1 - batched / alone) * B / (B - 1), clamped to [0, 1].
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import httpx
+
+BATCH = 8  # streams sent at once in the batched phases
+
+
+def wake_share(alone: float, batched: float, batch: int = BATCH) -> float:
+    """The share of ``alone`` (a lone item's CPU) that is waking the thread, from ``batched``
+    (the CPU per item of ``batch`` items that arrive together); 0 where ``alone`` is 0."""
+    if alone <= 0.0 or batch < 2:
+        return 0.0
+    return min(1.0, max(0.0, (1.0 - batched / alone) * batch / (batch - 1)))
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+               max_tokens: int) -> None:  # fmt: skip
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for _ in r.aiter_lines():
+            pass
+
+
+async def _batches(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int,
+                   batch: int) -> None:  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        for i in range(0, len(prompts), batch):
+            group = prompts[i : i + batch]
+            await asyncio.gather(*(_one(client, url, model, p, max_tokens) for p in group))
+
+
+def send_batches(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int,
+                 batch: int = BATCH) -> int:  # fmt: skip
+    """Stream ``prompts`` to the router at ``url``, ``batch`` at a time (each group sent at
+    once, the next when all have finished), from one asyncio client (the validation's load
+    generator is one too); returns how many were sent. An HTTP error propagates."""
+    asyncio.run(_batches(url, model, prompts, max_tokens, batch))
+    return len(prompts)
