@@ -68,7 +68,7 @@ class RouterLoop:
 
     def _queue(self, cpu: float) -> None:
         start = max(self.loop.now, self.busy_until)
-        if self.busy_until > self.loop.now:  # awake: no wake-up to pay
+        if self.busy:  # awake: no wake-up to pay
             cpu *= 1.0 - self.wake_share
         wall = cpu
         if self.share is not None:

@@ -233,9 +233,8 @@ class SimWorker:
         start = max(self.loop.now, self.shell_busy_until)
         # The step's rows reach the HTTP thread in one hand-over: a thread already busy (with
         # the last step's rows) takes them without waking (``RouterLoop``'s ``wake_share``).
-        awake = self.shell_busy_until > self.loop.now
-        no_wake = len(changed) - (0 if awake or not changed else 1)  # riders on a wake-up
-        cpu = self._row_overhead * (len(changed) - self._row_wake_share * no_wake)
+        riders = len(changed) if self.shell_busy else max(0, len(changed) - 1)  # pay no wake-up
+        cpu = self._row_overhead * (len(changed) - self._row_wake_share * riders)
         wall = self._cores.burst_seconds(self, start, cpu)
         self._cores.burst(start, start + wall, 1, self)
         self.shell_busy_until = start + wall
