@@ -74,12 +74,30 @@ def eos_token_ids(path: Path, hf_config: dict[str, Any], tokenizer: Any) -> froz
     return frozenset(value if isinstance(value, list) else [value])
 
 
+def parse_device(name: str) -> torch.device:
+    """A torch device this machine has; ValueError naming the device otherwise (before any
+    weights load, so `--device cuda` on a CPU-only machine is one line, not a traceback)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {name!r} is not a torch device: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: the engine runs on cpu or cuda only")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load and size everything; ValueError naming the problem (bad model, too small a cache)."""
     model_path = resolve_model_path(config.model)
     hf_config = read_hf_config(model_path)
     torch.manual_seed(config.seed)
-    device = torch.device(config.device)
+    device = parse_device(config.device)
     dtype = parse_dtype(config.dtype)
     backend_name = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
     backend = get_backend(backend_name, cpu_kernels=config.cpu_kernels)

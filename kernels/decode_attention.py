@@ -12,6 +12,8 @@ contexts. Any number of splits is correct for any lengths, so a CUDA graph may f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -154,14 +156,28 @@ def _decode_merge_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Split long contexts until there are about two programs per SM (flash-decoding), keeping at
-    least 256 positions per split so the merge stays cheap."""
+    """Split long contexts until there are about four programs per SM (flash-decoding), keeping
+    at least 1024 positions per split, and split in two from 4096 positions even when the batch
+    fills the GPU. A power of two (each value is a compiled variant), at most 32.
+
+    From ``benchmarks/decode_tuning_gpu.py`` on an H200 (bf16, Llama-3-8B heads; see
+    docs/benchmarks.md): with two programs per SM and no split once the batch filled the GPU,
+    batch 64 x 4k context read at 70 % of copy bandwidth; two splits (and two pipeline stages)
+    reach 96 %, and every batch from 32 with 4k context or more gained 10-30 %.
+    """
     base = max(1, num_seqs * num_kv_heads)
-    if base >= 2 * num_sms:
-        return 1
-    by_occupancy = triton.cdiv(2 * num_sms, base)
-    by_length = max(1, max_seq_len // 256)
-    return max(1, min(by_occupancy, by_length, 32))
+    by_occupancy = triton.cdiv(4 * num_sms, base)
+    by_length = max(1, max_seq_len // 1024)
+    splits = min(by_occupancy, by_length, 32)
+    if max_seq_len >= 4096:
+        splits = max(splits, 2)
+    return 1 << (splits.bit_length() - 1)  # the power of two at or below
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    # get_device_properties costs ~0.1 ms a call (H200, torch 2.11): per layer and step in eager.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_decode_attention(
@@ -177,6 +193,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     block_n: int | None = None,
     window: int = 0,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (sequence i's one new token) over cache positions
     0..seq_lens[i]-1 read through block_tables [B, max_blocks]. Returns [B, Hq, D] in q's dtype
@@ -184,7 +202,9 @@ def paged_decode_attention(
     attention over the last ``window`` positions only (Mistral).
 
     num_splits None picks by occupancy on CUDA (needs max_seq_len, a host int, to avoid a sync) and
-    1 in the interpreter. block_n overrides the KV tile (a power of two >= 16).
+    1 in the interpreter. block_n overrides the KV tile (a power of two >= 16); num_warps and
+    num_stages override the launch's (4 warps; 2 stages on CUDA when split, else Triton's 3;
+    ``benchmarks/decode_tuning_gpu.py`` sweeps them).
     """
     name = "paged_decode_attention"
     check_paged_attention_args(name, q, k_cache, v_cache, block_tables, seq_lens)
@@ -199,7 +219,8 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         if q.is_cuda and max_seq_len is not None:
-            num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            index = q.device.index
+            num_sms = _num_sms(torch.cuda.current_device() if index is None else index)
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
         else:
             num_splits = 1
@@ -211,6 +232,14 @@ def paged_decode_attention(
     if block_n is None:
         block_n = 64 if q.is_cuda and block_d <= 128 else 32
     check_tile(name, "block_n", block_n)
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name}: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"{name}: num_stages must be >= 1, got {num_stages}")
+    if num_stages is None and q.is_cuda and num_splits > 1:
+        # The H200 sweep: split, 2 stages are 15-30 % faster than Triton's 3; unsplit, 3 are ~4 %.
+        num_stages = 2
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
@@ -250,6 +279,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
