@@ -56,12 +56,24 @@ class CoreShare:
     """The cores' sharing for one run; ``cores`` None: every worker has its own (an
     accelerator, or simulated workers, whose steps are waits), and only ``pace`` applies."""
 
-    def __init__(self, cores: int | None, threads: int, pace: Callable[[float], float]) -> None:
+    def __init__(self, cores: int | None, threads: int, pace: Callable[[float], float],
+                 run_queue_wait: float = 0.0) -> None:  # fmt: skip
         self.cores = cores
         self.threads = threads  # each worker's engine threads
         self.pace = pace  # the machine's pace factor at a virtual time
+        self.run_queue_wait = run_queue_wait  # ServingCost.run_queue_wait
         self.workers: list[SimWorker] = []
         self.loops: list[BusyLoop] = []
+
+    def wake_wait(self, now: float, source: object) -> float:
+        """How long ``source``'s thread, waking at ``now``, waits for a core: the run-queue wait
+        when the threads already busy fill every core (a woken thread runs once a running
+        one's time slice ends), else 0. Called by a single-threaded loop that finds itself
+        idle (a router or client loop, a worker's streaming thread)."""
+        if self.cores is None or self.run_queue_wait <= 0.0:
+            return 0.0
+        busy = sum(k for _, k in self._busy(now, source))
+        return self.run_queue_wait if busy >= self.cores else 0.0
 
     def _busy(self, now: float, *skip: object) -> list[tuple[float, int]]:
         """(seconds left, threads) of everything busy at ``now`` but the loops and the worker

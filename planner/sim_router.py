@@ -70,6 +70,8 @@ class RouterLoop:
         start = max(self.loop.now, self.busy_until)
         if self.busy:  # awake: no wake-up to pay
             cpu *= 1.0 - self.wake_share
+        elif self.share is not None:  # waking: a core first, if every one is taken
+            start += self.share.wake_wait(start, self)
         wall = cpu
         if self.share is not None:
             # The loop is a thread on the shared cores: its burst runs at its share of them.

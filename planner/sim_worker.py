@@ -231,6 +231,8 @@ class SimWorker:
                 self.first_token_seconds.append(now - t0)
         self._track_usage()
         start = max(self.loop.now, self.shell_busy_until)
+        if not self.shell_busy:  # the HTTP thread wakes: a core first, if every one is taken
+            start += self._cores.wake_wait(start, self)
         # The step's rows reach the HTTP thread in one hand-over: a thread already busy (with
         # the last step's rows) takes them without waking (``RouterLoop``'s ``wake_share``).
         riders = len(changed) if self.shell_busy else max(0, len(changed) - 1)  # pay no wake-up

@@ -135,7 +135,7 @@ def run_simulation(
     sv = profile.serving
     pace = MachinePace(sv.pace_spread if options.variability else (), sv.pace_seconds,
                        options.seed)  # fmt: skip
-    share = CoreShare(options.shared_cores, threads, pace.at)
+    share = CoreShare(options.shared_cores, threads, pace.at, sv.run_queue_wait)
     router = SimRouter(
         loop, Placer(Policy.parse(dep.policy)),
         RouterConfig(dep.local_prefill_threshold, dep.prefill_overload_queue,

@@ -61,7 +61,7 @@ from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import free_port
 from tandem.up_config import ROUTER
-from tandem.wake_shares import BATCH, send_batches, wake_share
+from tandem.wake_shares import BATCH, scheduler_slice, send_batches, wake_share
 
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
@@ -396,6 +396,7 @@ def serving_cost(
         router_wake_share=round(router_wake, 3),
         client_wake_share=round(client_wake, 3),
         row_wake_share=round(row_wake, 3),
+        run_queue_wait=round(scheduler_slice(), 6),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

@@ -15,11 +15,17 @@ The simulator's loops charge the wake-up only to the item that finds their threa
 step makes them) ``batched = c + w / B``, the share of the lone cost that is the wake-up is
 
     share = (1 - batched / alone) * B / (B - 1), clamped to [0, 1].
+
+A thread that wakes while every core is busy also waits for one, for up to the kernel's time
+slice (``scheduler_slice``, ``ServingCost.run_queue_wait``): the demo's TTFT p90 was 33-51 %
+under-predicted in a validation run (docs/planning.md, round 24), where the lone-request
+quantiles were near and the loaded ones ~2 ms apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 
 import httpx
@@ -60,3 +66,25 @@ def send_batches(url: str, model: str, prompts: Sequence[list[int]], max_tokens:
     generator is one too); returns how many were sent. An HTTP error propagates."""
     asyncio.run(_batches(url, model, prompts, max_tokens, batch))
     return len(prompts)
+
+
+# Linux's scheduler slice: base 0.75 ms scaled by 1 + log2(CPUs, at most 8) (the default
+# logarithmic tunable scaling); EEVDF (6.6+) calls it base_slice, CFS min_granularity.
+_SLICE_FILES = (
+    "/sys/kernel/debug/sched/base_slice_ns",
+    "/sys/kernel/debug/sched/min_granularity_ns",
+)
+
+
+def scheduler_slice(cpus: int | None = None, files: Sequence[str] = _SLICE_FILES) -> float:
+    """Seconds a thread woken onto busy cores waits for one (``ServingCost.run_queue_wait``):
+    the kernel's time slice, read from debugfs where it is mounted and readable, else the
+    kernel's default for this many online CPUs."""
+    for name in files:
+        try:
+            with open(name) as f:
+                return int(f.read().strip()) / 1e9
+        except (OSError, ValueError):
+            continue
+    n = max(1, min(cpus or os.cpu_count() or 1, 8))
+    return 0.00075 * (1 + n.bit_length() - 1)

@@ -126,6 +126,10 @@ class ServingCost:
     router_wake_share: float = 0.0
     client_wake_share: float = 0.0
     row_wake_share: float = 0.0
+    # A thread that wakes while every shared core is busy waits this long for one: the kernel
+    # scheduler lets the running thread finish its time slice first (processor sharing alone
+    # spreads that wait thin). ``tandem profile`` records this host's slice; 0: not modelled.
+    run_queue_wait: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
@@ -224,6 +228,7 @@ class Profile:
                 "client_token_cpu": s.client_token_cpu,
                 "router_wake_share": s.router_wake_share,
                 "client_wake_share": s.client_wake_share, "row_wake_share": s.row_wake_share,
+                "run_queue_wait": s.run_queue_wait,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
                 "pace_seconds": s.pace_seconds,
             },
@@ -396,6 +401,7 @@ def profile_from_dict(data: Any) -> Profile:
                 "client_request_cpu",
                 "client_token_cpu",
                 "pace_seconds",
+                "run_queue_wait",
             )  # fmt: skip
         },
         **{

@@ -60,6 +60,7 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     # Its batched phases ran: eight streams at once wake the router's loop for fewer of their
     # tokens than one stream does (measured 0.4-0.7 of a lone token's cost on the demo).
     assert 0 < profile.serving.router_wake_share <= 1
+    assert 0 < profile.serving.run_queue_wait <= 0.01  # this host's scheduler slice
     from transformers import AutoTokenizer
 
     from tandem.engine.demo import weights_path

@@ -21,7 +21,7 @@ from tandem.calibrate import (
     serving_cost,
     steady_quantiles,
 )
-from tandem.wake_shares import BATCH, wake_share
+from tandem.wake_shares import BATCH, scheduler_slice, wake_share
 
 
 def test_quantiles_are_evenly_spaced_order_statistics() -> None:
@@ -116,6 +116,19 @@ def test_wake_share_is_what_batching_saves_per_item_scaled_to_one_wake_up_per_ba
     assert wake_share(100e-6, 120e-6) == 0.0  # dearer batched (noise): no share, not negative
     assert wake_share(100e-6, 0.0) == 1.0  # clamped
     assert wake_share(0.0, 1e-6) == 0.0 and wake_share(1e-4, 5e-5, batch=1) == 0.0
+
+
+def test_scheduler_slice_reads_the_kernel_or_takes_its_default(tmp_path: Path) -> None:
+    # Linux's default: 0.75 ms x (1 + log2(CPUs)), the CPUs counted up to 8.
+    defaults = [scheduler_slice(n, files=()) for n in (1, 2, 3, 4, 8, 64)]
+    assert defaults == pytest.approx([0.00075, 0.0015, 0.0015, 0.00225, 0.003, 0.003])
+    tuned = tmp_path / "base_slice_ns"
+    tuned.write_text("3000000\n")
+    garbled = tmp_path / "garbled"
+    garbled.write_text("fast\n")
+    missing = str(tmp_path / "missing")
+    assert scheduler_slice(2, files=(missing, str(garbled), str(tuned))) == 0.003
+    assert scheduler_slice(2, files=(missing, str(garbled))) == 0.0015
 
 
 def test_serving_cost_derives_each_threads_wake_share_from_the_batched_phases() -> None:

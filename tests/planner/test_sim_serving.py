@@ -11,7 +11,7 @@ from sim_profiles import synthetic_profile
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.role import Role
 from tandem.engine.sim.profile import ServingCost
-from tandem.planner.cores import shared_seconds
+from tandem.planner.cores import CoreShare, shared_seconds
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_kv import KVFabric
 from tandem.planner.sim_router import RouterLoop
@@ -59,6 +59,53 @@ def test_a_loop_charges_the_wake_up_only_to_work_that_finds_it_idle() -> None:
     loop.run()
     assert router.busy_until == pytest.approx(0.006)
     assert router.busy_seconds == pytest.approx(0.0032)
+
+
+class _Busy:
+    """Another thread on the shared cores, busy until ``busy_until``."""
+
+    def __init__(self, busy_until: float) -> None:
+        self.busy_until = busy_until
+
+
+def test_a_loop_waking_onto_full_cores_waits_the_run_queue_first() -> None:
+    # One core, 2 ms of run-queue wait. Another thread holds the core until t=10 ms: an item
+    # at t=0 finds the loop idle and the core taken, so its 1 ms starts at 2 ms, and at half
+    # speed beside that thread (processor sharing): done at 4 ms. The item queued behind it
+    # rides the running loop (no wait): 2 ms more at half speed, 6 ms. At t=20 ms the core is
+    # free: an item there runs at once, 1 ms.
+    loop = EventLoop()
+    share = CoreShare(1, 1, lambda _t: 1.0, run_queue_wait=0.002)
+    share.loops.append(_Busy(0.010))
+    router = RouterLoop(loop, share)
+    share.loops.append(router)
+    router.serve(0.001, 0.0, lambda: None)
+    assert router.busy_until == pytest.approx(0.004)
+    router.serve(0.001, 0.0, lambda: None)
+    assert router.busy_until == pytest.approx(0.006)
+    loop.at(0.020, lambda: router.serve(0.001, 0.0, lambda: None))
+    loop.run()
+    assert router.busy_until == pytest.approx(0.021)
+    # Not modelled (0, what older profiles load with), or the cores unshared: no wait.
+    assert CoreShare(1, 1, lambda _t: 1.0).wake_wait(0.0, router) == 0.0
+    assert CoreShare(None, 1, lambda _t: 1.0, run_queue_wait=0.002).wake_wait(0.0, router) == 0.0
+
+
+def test_the_run_queue_wait_delays_a_lone_request_only_on_full_cores() -> None:
+    # One request alone on a colocated worker: with cores to spare (8) nothing waits; on one
+    # core a thread on its first token's path wakes while the core is taken (the router's loop
+    # still streaming, or the engine's next step): its TTFT grows by one wait of 3 ms.
+    w = Workload(rate=1.0, isl=Lengths(16), osl=Lengths(4), num_requests=1)
+    serving = replace(BASE, run_queue_wait=0.003, router_token_cpu=1e-4)
+
+    def ttft(cost: ServingCost, cores: int) -> float:
+        sim = run_simulation(replace(PROFILE, serving=cost), w, Deployment(0, 1),
+                             SimOptions(variability=False, shared_cores=cores))  # fmt: skip
+        return sim.result.traces[0].ttft
+
+    assert ttft(serving, 8) == pytest.approx(ttft(replace(serving, run_queue_wait=0.0), 8))
+    extra = ttft(serving, 1) - ttft(replace(serving, run_queue_wait=0.0), 1)
+    assert extra == pytest.approx(0.003)
 
 
 def test_router_cpu_queues_placements_behind_each_other() -> None:
