@@ -17,9 +17,9 @@ step makes them) ``batched = c + w / B``, the share of the lone cost that is the
     share = (1 - batched / alone) * B / (B - 1), clamped to [0, 1].
 
 A thread that wakes while every core is busy also waits for one, for up to the kernel's time
-slice (``scheduler_slice``, ``ServingCost.run_queue_wait``): the demo's TTFT p90 was 33-51 %
-under-predicted in a validation run (docs/planning.md, round 24), where the lone-request
-quantiles were near and the loaded ones ~2 ms apart.
+slice (``scheduler_slice``, ``ServingCost.run_queue_wait``). Without that wait the demo's TTFT
+p90 was 18-51 % under-predicted in a validation run (docs/planning.md, round 24): its lone
+requests were predicted within 0.5-1.2 ms, the ones beside another stream 2-4 ms early.
 """
 
 from __future__ import annotations
