@@ -59,7 +59,7 @@ from tandem.child_command import subcommand, tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
-from tandem.up import free_port
+from tandem.up import worker_port
 from tandem.up_config import ROUTER
 from tandem.wake_shares import BATCH, scheduler_slice, send_batches, wake_share
 
@@ -107,8 +107,12 @@ class LocalUp:
     Used by the serving stage and the planner's benchmarks."""
 
     def __init__(self, args: Sequence[str], workers: int, log_dir: Path, name: str = "up") -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.internal_url = f"http://127.0.0.1:{free_port()}"
+        # Below the ephemeral range (``worker_port``), where no socket's own bind takes them
+        # between this probe and the router's bind.
+        port = worker_port()
+        internal = next(p for p in iter(worker_port, None) if p != port)
+        self.url = f"http://127.0.0.1:{port}"
+        self.internal_url = f"http://127.0.0.1:{internal}"
         self.token = secrets.token_hex(16)
         cmd = [*tandem_argv("up"), "--port", self.url.rsplit(":", 1)[1],
                "--internal-port", self.internal_url.rsplit(":", 1)[1], "--log-dir", str(log_dir),

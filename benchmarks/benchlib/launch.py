@@ -27,8 +27,8 @@ from tandem.up import (
     Supervisor,
     UpConfig,
     build_specs,
-    free_port,
     registered_roles,
+    worker_port,
 )
 
 
@@ -92,7 +92,10 @@ class Deployment:
     def __init__(self, config: UpConfig, placement: Placement | None = None,
                  log_dir: Path | None = None, ready_timeout_s: float = 600.0) -> None:  # fmt: skip
         if config.port == 0:
-            config = dataclasses.replace(config, port=free_port(config.host))
+            # Below the ephemeral range, as `tandem up` picks its workers' ports: a port probed
+            # there can be taken by any socket's own ephemeral bind before the router binds it
+            # (a CI run's router exited on start-up with exit code 3).
+            config = dataclasses.replace(config, port=worker_port(config.host))
         self.config = config
         self.placement = placement or Placement(router_threads=None)
         self._own_log_dir = log_dir is None
@@ -101,7 +104,7 @@ class Deployment:
         self.ready_timeout_s = ready_timeout_s
         # As `tandem up` does: a fresh cluster token, handed to the children by environment.
         self.token = generate_token()
-        specs = build_specs(config, iter(free_port, None), token=self.token)
+        specs = build_specs(config, iter(worker_port, None), token=self.token)
         self.specs = place(specs, self.placement)
         self.supervisor = Supervisor(self.log_dir, out=lambda s: print(s, file=sys.stderr))
 
