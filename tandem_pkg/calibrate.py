@@ -114,9 +114,8 @@ class LocalUp:
         self.url = f"http://127.0.0.1:{port}"
         self.internal_url = f"http://127.0.0.1:{internal}"
         self.token = secrets.token_hex(16)
-        cmd = [*tandem_argv("up"), "--port", self.url.rsplit(":", 1)[1],
-               "--internal-port", self.internal_url.rsplit(":", 1)[1], "--log-dir", str(log_dir),
-               *args]  # fmt: skip
+        cmd = [*tandem_argv("up"), "--port", str(port), "--internal-port", str(internal),
+               "--log-dir", str(log_dir), *args]  # fmt: skip
         env = {**os.environ, CLUSTER_TOKEN_ENV: self.token}
         with open(log_dir / f"{name}.log", "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
