@@ -8,8 +8,9 @@ decode worker. What the router knows is modelled as it is: prefix overlap from a
 (each worker's snapshot refreshed every ``heartbeat_seconds``, so it lags), and its own in-flight
 counts (exact). Client-side times add the profile's serving latencies.
 
-A router process is one event loop: its CPU work on each request (``router_request_cpu``) and
-each streamed token (``router_token_cpu``) is served first come, first served, so at high token
+A router process is one event loop: its CPU work on each request (``router_request_cpu``), each
+P/D hand-off (``router_handoff_cpu``) and each streamed token (``router_token_cpu``) is served
+first come, first served, so at high token
 rates tokens and placements queue behind each other, as they do in the real router. Each request
 is served by one of ``RouterConfig.routers`` such loops (round robin, as a load balancer spreads
 connections); the rest of each serving latency is a plain delay.
@@ -258,7 +259,10 @@ class SimRouter:
             dreq.kv_transfer_params = params
             self._send(d, dreq, rid)
 
-        self.loop.after(self.serving.handoff_seconds, admit)
+        # The router's part of the hand-off runs on the request's loop (queued behind its
+        # other work there); a lone one still takes handoff_seconds, which holds it.
+        sv = self.serving
+        self._loop_of[rid].serve(sv.router_handoff_cpu, sv.handoff_seconds, admit)
 
     def _on_output(self, worker: SimWorker, req: Request, new_token: bool, finished: bool) -> None:
         rid = self._owner.get(req.request_id)

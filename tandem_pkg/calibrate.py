@@ -12,7 +12,8 @@ the steps themselves. Measured, with the profile's step model subtracted:
   beyond its decode step, streaming the token (``row_seconds``), and its per-request work
   beyond the prefill step (``worker_request_cpu``); over as many 1P1D requests, each side's per
   request beyond its steps (``prefill_request_cpu``, ``decode_request_cpu``: request handling
-  and its half of the KV transfer); and this process's own CPU, the client's, per request and
+  and its half of the KV transfer) and the router's beyond its colocated figure
+  (``router_handoff_cpu``); and this process's own CPU, the client's, per request and
   per token (``client_request_cpu``, ``client_token_cpu``), for runs whose load generator shares
   the machine; and the same colocated requests ``wake_shares.BATCH`` at a time, from which the
   share of each lone token's CPU that is waking the router's, the client's and the worker's
@@ -41,7 +42,7 @@ stretch no longer sets the profile.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import random
 import secrets
@@ -61,7 +62,7 @@ from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.up import worker_port
 from tandem.up_config import ROUTER
-from tandem.wake_shares import BATCH, scheduler_slice, send_batches, wake_share
+from tandem.wake_shares import BATCH, scheduler_slice, send_batches, stream_times, wake_share
 
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
@@ -72,32 +73,6 @@ ISL, OSL = 32, 32
 CPU_REQUESTS = 300
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
 CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
-
-
-def _stream(
-    client: httpx.Client, url: str, model: str, prompt: list[int], max_tokens: int = OSL
-) -> list[float]:
-    """Seconds from sending to each streamed chunk with text; [] unless all ``max_tokens``
-    tokens were generated (``usage``). A token whose text is held back (an incomplete UTF-8
-    sequence, as a random model makes) arrives with a later chunk, so there may be fewer
-    times than tokens. The client is made once and reused, as a load generator's is: a new
-    ``httpx`` client builds an SSL context (~10-20 ms), which is not the router's time."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    t0 = time.perf_counter()
-    times = []
-    tokens = 0
-    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"].get("completion_tokens", 0)
-                if (chunk.get("choices") or [{}])[0].get("text"):
-                    times.append(time.perf_counter() - t0)
-    return times if tokens == max_tokens else []
 
 
 class LocalUp:
@@ -249,10 +224,13 @@ def measure_serving(
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-calibrate-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with httpx.Client(timeout=120) as client:
+    # One asyncio client for every phase, made once and reused as a load generator's is (a new
+    # httpx client builds an SSL context, ~10-20 ms, which is not the router's time).
+    client = httpx.AsyncClient(timeout=120)
+    with asyncio.Runner() as runner:
 
         def stream(up: LocalUp, p: list[int], max_tokens: int = OSL) -> list[float]:
-            return _stream(client, up.url, model, p, max_tokens)
+            return runner.run(stream_times(client, up.url, model, p, max_tokens))
 
         def serial(up: LocalUp, into: list[list[float]]) -> Callable[[], int]:
             def run() -> int:
@@ -261,31 +239,33 @@ def measure_serving(
 
             return run
 
+        def batches(up: LocalUp, max_tokens: int) -> Callable[[], int]:
+            n = max(BATCH, requests - requests % BATCH)
+            prompts = [prompt() for _ in range(n)]
+            return lambda: runner.run(send_batches(client, up.url, model, prompts, max_tokens))
+
         alone: list[list[float]] = []
         pd: list[list[float]] = []
-        with _up(model, 0, transport, options, threads, log_dir) as up:
-            for _ in range(WARMUP):
-                stream(up, prompt())
+        try:
+            with _up(model, 0, transport, options, threads, log_dir) as up:
+                for _ in range(WARMUP):
+                    stream(up, prompt())
 
-            def one_token() -> int:
-                for _ in range(requests):
-                    stream(up, prompt(), max_tokens=1)
-                return requests
+                def one_token() -> int:
+                    for _ in range(requests):
+                        stream(up, prompt(), max_tokens=1)
+                    return requests
 
-            cpu_long = _cpu_per_request(up, serial(up, alone))
-            cpu_short = _cpu_per_request(up, one_token)
-            n = max(BATCH, requests - requests % BATCH)
-            url = up.url
-            cpu_batch_long = _cpu_per_request(
-                up, lambda: send_batches(url, model, [prompt() for _ in range(n)], OSL)
-            )
-            cpu_batch_short = _cpu_per_request(
-                up, lambda: send_batches(url, model, [prompt() for _ in range(n)], 1)
-            )
-        with _up(model, 1, transport, options, threads, log_dir) as up:
-            for _ in range(WARMUP):
-                stream(up, prompt())
-            cpu_pd = _cpu_per_request(up, serial(up, pd))
+                cpu_long = _cpu_per_request(up, serial(up, alone))
+                cpu_short = _cpu_per_request(up, one_token)
+                cpu_batch_long = _cpu_per_request(up, batches(up, OSL))
+                cpu_batch_short = _cpu_per_request(up, batches(up, 1))
+            with _up(model, 1, transport, options, threads, log_dir) as up:
+                for _ in range(WARMUP):
+                    stream(up, prompt())
+                cpu_pd = _cpu_per_request(up, serial(up, pd))
+        finally:
+            runner.run(client.aclose())
     return ServingSample(
         alone=tuple(tuple(t) for t in alone), pd=tuple(tuple(t) for t in pd),
         cpu_long=cpu_long, cpu_short=cpu_short, cpu_pd=cpu_pd,
@@ -364,6 +344,9 @@ def serving_cost(
     # request handling plus its half of the KV transfer.
     p_cpu, d_cpu = cpu_pd.get("prefill", 0.0), cpu_pd.get("decode", 0.0)
     prefill_request = max(0.0, p_cpu - prefill * threads) if p_cpu else 0.0
+    # The router's part of the hand-off: the same requests cost it this much more in P/D.
+    r_pd = cpu_pd.get(ROUTER, 0.0)
+    router_handoff = max(0.0, r_pd - r_long) if r_pd and r_long else 0.0
     decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
     # the step and the step's own overhead.
@@ -394,6 +377,7 @@ def serving_cost(
         worker_request_cpu=round(worker_request, 6),
         prefill_request_cpu=round(prefill_request, 6),
         decode_request_cpu=round(decode_request, 6),
+        router_handoff_cpu=round(router_handoff, 6),
         client_request_cpu=round(client_request, 6),
         client_token_cpu=round(client_token, 7),
         router_wake_share=round(router_wake, 3),

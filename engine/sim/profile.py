@@ -99,11 +99,13 @@ class ServingCost:
     above; ``worker_request_cpu`` is what a worker's HTTP side spends on each request it is
     sent, time its engine thread loses (they share the GIL), ``prefill_request_cpu`` and
     ``decode_request_cpu`` the same in P/D with each side's part of the KV transfer (0: the
-    colocated figure). ``client_request_cpu`` and ``client_token_cpu`` are the load generator's
-    own CPU per request and per streamed token (the calibrating client, an httpx streaming
-    client like the validation's): the simulator counts them against the shared cores only when
-    told the load runs on the same machine (``SimOptions.client_shares_cores``). 0: not
-    measured (not modelled).
+    colocated figure); ``router_handoff_cpu`` the router's per request in P/D beyond its
+    colocated figure (the hand-off: prefill's final chunk, the decode request it then opens),
+    on its loop at the hand-off. ``client_request_cpu`` and ``client_token_cpu`` are the load
+    generator's own CPU per request and per streamed token (the calibrating client, one asyncio
+    httpx client parsing each chunk, as the validation's does): the simulator counts them
+    against the shared cores only when told the load runs on the same machine
+    (``SimOptions.client_shares_cores``). 0: not measured (not modelled).
     """
 
     request_seconds: float = 0.002
@@ -116,6 +118,7 @@ class ServingCost:
     worker_request_cpu: float = 0.0
     prefill_request_cpu: float = 0.0  # the same on a prefill worker, with its side of a transfer
     decode_request_cpu: float = 0.0  # on a decode worker, with its pull
+    router_handoff_cpu: float = 0.0  # the router's per P/D request, at the hand-off
     client_request_cpu: float = 0.0
     client_token_cpu: float = 0.0
     # Of each item's CPU above (measured one request at a time, every item waking its thread),
@@ -224,6 +227,7 @@ class Profile:
                 "worker_request_cpu": s.worker_request_cpu,
                 "prefill_request_cpu": s.prefill_request_cpu,
                 "decode_request_cpu": s.decode_request_cpu,
+                "router_handoff_cpu": s.router_handoff_cpu,
                 "client_request_cpu": s.client_request_cpu,
                 "client_token_cpu": s.client_token_cpu,
                 "router_wake_share": s.router_wake_share,
@@ -398,6 +402,7 @@ def profile_from_dict(data: Any) -> Profile:
                 "worker_request_cpu",
                 "prefill_request_cpu",
                 "decode_request_cpu",
+                "router_handoff_cpu",
                 "client_request_cpu",
                 "client_token_cpu",
                 "pace_seconds",
