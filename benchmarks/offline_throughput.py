@@ -71,7 +71,8 @@ def run_hf(path: str, reqs: list[tuple[list[int], int]], batch_size: int) -> tup
     return clock() - start, total
 
 
-def write_random_llama(hidden: int = 256, layers: int = 4, printable: bool = False) -> str:
+def write_random_llama(hidden: int = 256, layers: int = 4, printable: bool = False,
+                       max_positions: int = 2048) -> str:  # fmt: skip
     """A random-weight Llama (seeded) with the demo's byte tokenizer, written to a temp dir.
 
     ``printable``: the tokenizer's own vocabulary and an LM head that is zero outside the
@@ -94,7 +95,7 @@ def write_random_llama(hidden: int = 256, layers: int = 4, printable: bool = Fal
         num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
     )
     model = transformers.LlamaForCausalLM(cfg)
     if printable:

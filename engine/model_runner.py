@@ -283,12 +283,23 @@ def _packed_rows(
     return ids, positions, slots, sample_rows
 
 
+def graph_decode_splits(
+    batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
+) -> int:
+    """Decode attention's split count for the graph of ``batch_size`` sequences, fixed at capture
+    for every context a replay holds: about 64 programs per KV head, whatever the context. The
+    eager path's rule at ``max_model_len`` is the candidate that ``benchmarks/graph_splits_gpu.py``
+    times against this one on a GPU; no run has measured it yet."""
+    return max(1, 64 // batch_size)
+
+
 class DecodeGraphs:
     """CUDA graphs of decode-only steps at padded batch sizes (the Triton backend on CUDA).
 
     Built by the Engine after the KV cache exists (graphs bake in its address). Each captured size
-    uses a fixed split-K factor and max_seq_len = max_model_len, so one graph is right for any
-    sequence lengths. tests/test_engine_gpu.py holds graph replays to the eager path.
+    uses a fixed split-K factor (``graph_decode_splits``) and max_seq_len = max_model_len, so one
+    graph is right for any sequence lengths. tests/test_engine_gpu.py holds graph replays to the
+    eager path.
     """
 
     def __init__(self, runner: ModelRunner, max_batch_size: int, max_model_len: int) -> None:
@@ -309,9 +320,11 @@ class DecodeGraphs:
             GraphInput("block_tables", (self.max_blocks,), torch.int32, 0),
         ]
         self.graph_runner = DecodeGraphRunner(self._forward, inputs, max_batch_size, runner.device)
+        heads = runner.layout.num_kv_heads
         for size in self.graph_runner.batch_sizes:
             # Few sequences: split the context across more programs to fill the GPU.
-            self._backends[size] = TritonAttentionBackend(decode_num_splits=max(1, 64 // size))
+            splits = graph_decode_splits(size, heads, max_model_len, runner.device)
+            self._backends[size] = TritonAttentionBackend(decode_num_splits=splits)
 
     def _forward(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
         b = views["input_ids"].shape[0]

@@ -174,6 +174,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)  # the power of two at or below
 
 
+def num_sms(device: torch.device) -> int:
+    """``device``'s SM count (the current CUDA device when it has no index), cached."""
+    return _num_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     # get_device_properties costs ~0.1 ms a call (H200, torch 2.11): per layer and step in eager.
@@ -219,9 +224,8 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         if q.is_cuda and max_seq_len is not None:
-            index = q.device.index
-            num_sms = _num_sms(torch.cuda.current_device() if index is None else index)
-            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+            sms = num_sms(q.device)
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sms)
         else:
             num_splits = 1
     if num_splits < 1:

@@ -259,9 +259,12 @@ class SimRouter:
             dreq.kv_transfer_params = params
             self._send(d, dreq, rid)
 
+        sv = self.serving
+        if sv.router_handoff_cpu <= 0.0:  # not measured: a plain delay, as before the figure
+            self.loop.after(sv.handoff_seconds, admit)
+            return
         # The router's part of the hand-off runs on the request's loop (queued behind its
         # other work there); a lone one still takes handoff_seconds, which holds it.
-        sv = self.serving
         self._loop_of[rid].serve(sv.router_handoff_cpu, sv.handoff_seconds, admit)
 
     def _on_output(self, worker: SimWorker, req: Request, new_token: bool, finished: bool) -> None:

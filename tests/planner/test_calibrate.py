@@ -157,6 +157,25 @@ def test_serving_cost_derives_each_threads_wake_share_from_the_batched_phases() 
     assert replace(cost, router_wake_share=0.0, row_wake_share=0.0) == lone
 
 
+def test_serving_cost_charges_the_router_its_pd_cpu_over_the_colocated_figure() -> None:
+    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
+    cpu_long = {"router": 0.003 + 31 * 0.0002, "colocated": 0.00332 + 31 * 0.00231}
+    cpu_short = {"router": 0.003, "colocated": 0.00332}
+
+    def cost(cpu_pd: dict[str, float]) -> float:
+        sample = ServingSample(
+            alone=_answers(0.01, 0.0025, 10), pd=_answers(0.02, 0.01, 5), cpu_long=cpu_long,
+            cpu_short=cpu_short, cpu_pd=cpu_pd,
+        )  # fmt: skip
+        return serving_cost(profile, [sample], "tcp").router_handoff_cpu
+
+    # The same OSL-token requests cost the router 1.25 ms more each in P/D: the hand-off.
+    pd = {"router": cpu_long["router"] + 0.00125, "prefill": 0.006, "decode": 0.07}
+    assert cost(pd) == pytest.approx(0.00125)
+    assert cost(pd | {"router": cpu_long["router"] - 0.0001}) == 0.0  # never below nothing
+    assert cost({"prefill": 0.006, "decode": 0.07}) == 0.0  # not measured
+
+
 def test_serving_cost_of_no_complete_answers_is_refused() -> None:
     empty = ServingSample(alone=((0.01,),), pd=(), cpu_long={}, cpu_short={}, cpu_pd={})
     with pytest.raises(ValueError, match="no complete answers"):

@@ -78,6 +78,32 @@ def test_one_disaggregated_request_has_the_hand_computed_times() -> None:
     assert_pools_clean(sim)
 
 
+def test_a_handoff_takes_the_routers_loop_after_the_first_token() -> None:
+    """The router's part of a hand-off (``router_handoff_cpu``) runs on the request's loop
+    after the prefill's token (0.5 ms of router CPU here), and admits the decode request once
+    both that CPU and the hand-off's latency (3 ms, which holds it) have passed."""
+
+    def run(handoff_cpu: float):  # noqa: ANN202 - a Simulation
+        serving = ServingCost(request_seconds=0.002, token_seconds=0.001, handoff_seconds=0.003,
+                              router_token_cpu=0.0005, router_handoff_cpu=handoff_cpu)  # fmt: skip
+        profile = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0),
+                                    transfer=(0.001, 1e-9), serving=serving)  # fmt: skip
+        sim = run_simulation(profile, one_request(32, 3), Deployment(1, 1))
+        assert_pools_clean(sim)
+        return sim
+
+    old, within, past = run(0.0), run(0.002), run(0.004)
+    (t0,), (t1,), (t2,) = old.result.traces, within.result.traces, past.result.traces
+    assert t0.ttft == t1.ttft == t2.ttft  # the prefill's first token is before the hand-off
+    # 0 (a profile without the figure): admitted 3 ms after the hand-off, as before. 2 ms:
+    # after the token's 0.5 ms, then max(2 ms of CPU, 3 ms): 0.5 ms later. 4 ms: 1.5 ms later.
+    assert t1.last_token - t0.last_token == pytest.approx(0.0005)
+    assert t2.last_token - t0.last_token == pytest.approx(0.0015)
+    (loop,) = within.router.loops
+    (loop0,) = old.router.loops
+    assert loop.busy_seconds - loop0.busy_seconds == pytest.approx(0.002)
+
+
 def test_the_simulator_is_deterministic_for_a_seed() -> None:
     w = Workload(rate=30, isl=Lengths(64, 0.5), osl=Lengths(16, 0.5), num_requests=200,
                  prefix_share=0.25, prefix_groups=3)  # fmt: skip
