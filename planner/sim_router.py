@@ -10,10 +10,10 @@ counts (exact). Client-side times add the profile's serving latencies.
 
 A router process is one event loop: its CPU work on each request (``router_request_cpu``), each
 P/D hand-off (``router_handoff_cpu``) and each streamed token (``router_token_cpu``) is served
-first come, first served, so at high token
-rates tokens and placements queue behind each other, as they do in the real router. Each request
-is served by one of ``RouterConfig.routers`` such loops (round robin, as a load balancer spreads
-connections); the rest of each serving latency is a plain delay.
+first come, first served, so at high token rates tokens and placements queue behind each other,
+as they do in the real router. Each request is served by one of ``RouterConfig.routers`` such
+loops (round robin, as a load balancer spreads connections); the rest of each serving latency
+is a plain delay.
 """
 
 from __future__ import annotations
