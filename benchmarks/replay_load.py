@@ -5,13 +5,13 @@ The planner's simulator and a real deployment are compared on identical inputs: 
 streamed ``/v1/completions`` request (token-id prompt, ``ignore_eos``, greedy), open loop, and
 timed as guidellm times it: TTFT = first content chunk - send, ITL = (last chunk - first chunk) /
 (completion tokens - 1), end-to-end = last chunk - send. Written by hand because guidellm cannot
-replay a fixed schedule of token-id prompts (say so in reports that use it).
+replay a fixed schedule of token-id prompts (say so in reports that use it). The client is
+``tandem.stream_client``'s, the one ``tandem profile`` measures its client CPU with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from tandem.planner.workload import WorkloadRequest
+from tandem.stream_client import StreamRejected, stream_completion
 
 
 @dataclass(slots=True)
@@ -34,38 +35,24 @@ class Measured:
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: WorkloadRequest,
                t0: float) -> Measured:  # fmt: skip
     await asyncio.sleep(max(0.0, t0 + req.arrival - time.perf_counter()))
-    sent = time.perf_counter()
     m = Measured(req.arrival)
-    body = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    first = last = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                m.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return m
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    m.tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    first = first if first is not None else now
-                    last = now
+        s = await stream_completion(client, url, model, list(req.prompt_token_ids),
+                                    req.max_tokens)  # fmt: skip
+    except StreamRejected as exc:
+        m.error = str(exc)
+        return m
     except (httpx.HTTPError, ValueError) as exc:
         m.error = repr(exc)
         return m
-    if first is None or last is None:
+    m.tokens = s.tokens
+    if not s.times:
         m.error = "no tokens"
         return m
-    m.ttft = first - sent
-    m.e2e = last - sent
+    m.ttft = s.times[0]
+    m.e2e = s.times[-1]
     if m.tokens > 1:
-        m.itl = (last - first) / (m.tokens - 1)
+        m.itl = (s.times[-1] - s.times[0]) / (m.tokens - 1)
     return m
 
 

@@ -60,9 +60,10 @@ from tandem.child_command import subcommand, tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.planner.sim_worker import POLL_SECONDS
+from tandem.stream_client import send_batches, stream_times
 from tandem.up import worker_port
 from tandem.up_config import ROUTER
-from tandem.wake_shares import BATCH, scheduler_slice, send_batches, stream_times, wake_share
+from tandem.wake_shares import BATCH, scheduler_slice, wake_share
 
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the

@@ -24,15 +24,10 @@ requests were predicted within 0.5-1.2 ms, the ones beside another stream 2-4 ms
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import time
 from collections.abc import Sequence
 
-import httpx
-
-BATCH = 8  # streams sent at once in the batched phases
+BATCH = 8  # streams sent at once in the batched phases (``stream_client.send_batches``)
 
 
 def wake_share(alone: float, batched: float, batch: int = BATCH) -> float:
@@ -41,44 +36,6 @@ def wake_share(alone: float, batched: float, batch: int = BATCH) -> float:
     if alone <= 0.0 or batch < 2:
         return 0.0
     return min(1.0, max(0.0, (1.0 - batched / alone) * batch / (batch - 1)))
-
-
-async def stream_times(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                       max_tokens: int) -> list[float]:  # fmt: skip
-    """Stream one completion as a load generator does (each chunk's JSON parsed): the seconds
-    from sending to each chunk with text; [] unless all ``max_tokens`` tokens were generated
-    (``usage``). A token whose text is held back (an incomplete UTF-8 sequence, as a random
-    model makes) arrives with a later chunk, so there may be fewer times than tokens. The
-    serving stage's every phase uses it, so the client's CPU per token is the validation's
-    asyncio client's, alone and batched alike. An HTTP error propagates."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    t0 = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"].get("completion_tokens", 0)
-                if (chunk.get("choices") or [{}])[0].get("text"):
-                    times.append(time.perf_counter() - t0)
-    return times if tokens == max_tokens else []
-
-
-async def send_batches(client: httpx.AsyncClient, url: str, model: str,
-                       prompts: Sequence[list[int]], max_tokens: int,
-                       batch: int = BATCH) -> int:  # fmt: skip
-    """Stream ``prompts`` to the router at ``url``, ``batch`` at a time (each group sent at
-    once, the next when all have finished), on ``client`` (the validation's load generator is
-    one asyncio client too); returns how many were sent. An HTTP error propagates."""
-    for i in range(0, len(prompts), batch):
-        group = prompts[i : i + batch]
-        await asyncio.gather(*(stream_times(client, url, model, p, max_tokens) for p in group))
-    return len(prompts)
 
 
 # Linux's scheduler slice: base 0.75 ms scaled by 1 + log2(CPUs, at most 8) (the default
