@@ -61,9 +61,10 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     # tokens than one stream does (measured 0.4-0.7 of a lone token's cost on the demo).
     assert 0 < profile.serving.router_wake_share <= 1
     assert 0 < profile.serving.run_queue_wait <= 0.01  # this host's scheduler slice
-    # A P/D request costs the router a hand-off more than a colocated one (0.9-1.3 ms measured
-    # on the demo): the final prefill chunk, and the decode request it opens.
-    assert profile.serving.router_handoff_cpu > 0
+    # The router's CPU for a P/D hand-off is recorded: 0.9-1.3 ms in full profiles of the demo,
+    # but a quick profile's few 1P1D requests can measure it below the colocated figure (then
+    # 0, as a CI run did); the formula is held exactly in tests/planner/test_calibrate.py.
+    assert 0 <= profile.serving.router_handoff_cpu < 0.01
     from transformers import AutoTokenizer
 
     from tandem.engine.demo import weights_path
