@@ -28,6 +28,7 @@ class Measured:
     ttft: float | None = None
     itl: float | None = None
     e2e: float | None = None
+    first_gap: float | None = None  # first to second content chunk (1P1D: the hand-off)
     tokens: int = 0
     error: str | None = None
 
@@ -51,6 +52,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: WorkloadReq
         return m
     m.ttft = s.times[0]
     m.e2e = s.times[-1]
+    if len(s.times) > 1:
+        m.first_gap = s.times[1] - s.times[0]
     if m.tokens > 1:
         m.itl = (s.times[-1] - s.times[0]) / (m.tokens - 1)
     return m

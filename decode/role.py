@@ -60,6 +60,7 @@ class DecodeRole:
             fingerprint=ctx.fingerprint,
             identity=ctx.identity,
             simulated=parts.simulated_transfer,
+            wake=ctx.wake_engine,
         )
         return metrics
 

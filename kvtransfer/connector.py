@@ -62,6 +62,7 @@ class ZmqKVConnector:
         data_port: int = 0,
         fingerprint: str = "unset",
         identity: str = "unset",
+        wake: Callable[[], None] | None = None,
     ) -> None:
         layout.check_kv_cache(kv_cache)
         if (send is not None) != (role != Role.DECODE) or (recv is not None) != (
@@ -89,6 +90,8 @@ class ZmqKVConnector:
             fingerprint=fingerprint,
             identity=identity[:1024],
         )
+        if wake is not None:
+            self._ctx.wake = wake
         if recv is not None:
             recv.on_dropped = self._ctx.count_failure
         self._prefill = PrefillSide(self._ctx, send, lease_seconds) if send else None

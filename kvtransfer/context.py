@@ -51,6 +51,10 @@ class ConnectorContext:
     identity: str = "unset"
     lock: threading.Lock = field(default_factory=threading.Lock)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # Tells the engine thread it has something to take (a finished load, released blocks), so
+    # an engine that only waits on the connector takes it now, not at its next poll. Called on
+    # any thread, with or without ``lock``: it must only enqueue (EngineThread.wake).
+    wake: Callable[[], None] = field(default=lambda: None)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a task on the loop (call on the loop thread); close() cancels leftovers."""

@@ -227,6 +227,7 @@ class DecodeSide:
             self._ctx.spawn(self._release_when_connected(load.params, kind))
         with self._ctx.lock:
             self._finish_load(load.request_id, failure)
+        self._ctx.wake()
 
     async def _release_when_connected(self, params: KVTransferParams, kind: p.ReleaseKind) -> None:
         try:

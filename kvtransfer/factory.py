@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import torch
 import zmq.asyncio
@@ -39,6 +40,7 @@ def create_connector(
     fingerprint: str = "unset",
     identity: str = "unset",
     simulated: TransferCost | None = None,
+    wake: Callable[[], None] | None = None,
 ) -> ZmqKVConnector:
     """Build a started connector; its side channel listens when ``role`` is prefill or both.
 
@@ -58,7 +60,9 @@ def create_connector(
     form) is compared at every handshake: peers that differ never exchange KV.
     ``simulated`` (simulated workers): the real side channel (sealed as above) over the ``sim``
     data path, each pull waiting the profiled time of ``transport`` for its bytes; ``kv_cache``
-    may be a meta tensor.
+    may be a meta tensor. ``wake`` (the engine thread's ``wake``) is called when a load ends or
+    published blocks are released, so an engine that only waits on the connector takes them at
+    once instead of at its next poll.
     """
     role_enum = Role.parse(role)
     if not 0 < lease_seconds <= 3600:
@@ -109,4 +113,5 @@ def create_connector(
         data_port=data_port,
         fingerprint=fingerprint,
         identity=identity,
+        wake=wake,
     )

@@ -146,6 +146,8 @@ class PrefillSide:
             ):
                 msg = p.Aborted(self._ctx.engine_id, r.request_id, r.reason.value)
                 self._ctx.loop.call_soon_threadsafe(self._reply, pub.peer, msg)
+        if released:
+            self._ctx.wake()
 
     def _reply(self, ident: bytes, msg: p.Message) -> None:
         if self._router is None or self._router.closed:

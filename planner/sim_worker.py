@@ -5,8 +5,9 @@ role hooks (``ColocatedHooks``, ``PrefillHooks``, ``DecodeHooks`` over a ``SimCo
 ``Engine.step``'s order: ``before_step`` -> ``schedule`` -> ``on_scheduled`` -> (the step's
 profiled time passes) -> ``update`` -> outputs and hand-offs -> KV events. Steps run back to back
 while there is work, as on the engine thread; an idle worker sleeps until a request, a finished
-load or a release wakes it (after the engine thread's poll interval). Tokens come from
-``tandem.engine.sim.tokens.sample``, as on a simulated worker process.
+load or a release wakes it at once (as the real connector wakes its engine thread,
+``EngineThread.wake``). Tokens come from ``tandem.engine.sim.tokens.sample``, as on a simulated
+worker process.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
 from tandem.planner.sim_kv import KVFabric
 from tandem.prefill.hooks import PrefillHooks
-
-POLL_SECONDS = 0.002  # the engine thread's poll while it only waits on the KV connector
 
 
 @dataclass(slots=True)
@@ -109,7 +108,7 @@ class SimWorker:
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
         else:
-            conn = fabric.connector(engine_id, lambda: self.wake(POLL_SECONDS / 2))
+            conn = fabric.connector(engine_id, self.wake)
             if transfer_overhead:
                 # Serving a pull (its side channel and data socket, beside the engine thread
                 # under one GIL) comes after the first token, so it delays later steps only,

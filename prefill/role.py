@@ -50,6 +50,7 @@ class PrefillRole:
             fingerprint=ctx.fingerprint,
             identity=ctx.identity,
             simulated=parts.simulated_transfer,
+            wake=ctx.wake_engine,
         )
         return PrefillHooks(self.connector)
 

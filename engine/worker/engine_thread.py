@@ -59,6 +59,7 @@ class EngineThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self.wake()  # not left waiting out an idle wait
         self._thread.join(timeout)
 
     @property
@@ -75,6 +76,12 @@ class EngineThread:
         if not self.alive:  # died between the check and the put: nobody will run it
             self._fail_pending()
         return fut
+
+    def wake(self) -> None:
+        """Any thread: end the engine thread's wait for commands now (its idle wait, or its
+        poll while only the KV connector has work), so it steps again at once. Called by the
+        KV connector when a load ends or blocks are released; costs one queue put."""
+        self._commands.put((_nothing, Future()))
 
     def subscribe(self, group_id: str, sink: Sink) -> None:
         """Route every output of the request group to sink (called from any thread; the sink
@@ -167,6 +174,10 @@ class EngineThread:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+
+def _nothing(engine: Engine) -> None:
+    """The command ``wake`` queues: draining it is the point."""
 
 
 def fatal_output(group_id: str, message: str) -> EngineOutput:

@@ -8,6 +8,7 @@ the engine thread, ``info`` at every registration, ``close`` once at shutdown.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -36,6 +37,9 @@ class RoleContext:
     kv_data_port: int = 0
     fingerprint: str = "unset"  # engine/fingerprint.py digest: the KV handshake compares it
     identity: str = "unset"  # its readable form
+    # Wakes the engine thread from another thread (EngineThread.wake): a role's KV connector
+    # calls it when a load ends or blocks are released.
+    wake_engine: Callable[[], None] | None = None
 
 
 class WorkerRole(Protocol):

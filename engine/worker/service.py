@@ -89,6 +89,7 @@ class WorkerService:
             config.kv_data_port,
             self.fingerprint.digest,
             self.fingerprint.describe(),
+            wake_engine=self._wake_engine,
         )
         self.engine = Engine(parts, role.attach(parts, ctx))
         self.events = KVEventPublisher(
@@ -100,6 +101,12 @@ class WorkerService:
         )
         seqs = parts.config.scheduler.max_num_seqs
         self.max_waiting = config.max_waiting_requests or WAITING_PER_SEQ * seqs
+
+    def _wake_engine(self) -> None:
+        # The role's connector is built (by attach) before the thread that it wakes.
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            thread.wake()
 
     def _counters(self) -> dict[str, float]:
         return {

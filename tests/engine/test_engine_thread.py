@@ -97,3 +97,30 @@ def test_busy_seconds_count_the_steps_that_ran_the_model(monkeypatch) -> None:
         steps += 1
     # Each step reads the clock at its start and after the update: one tick apart.
     assert steps == 3 and engine.busy_seconds == 3.0
+
+
+def test_wake_ends_the_wait_for_commands_at_once() -> None:
+    """An idle engine thread waits ``idle_wait_s`` for a command; ``wake`` (what the KV
+    connector calls when a load ends or blocks are released) makes it step again now, and
+    ``stop`` wakes it too."""
+    engine = Engine(build_engine_config("demo", num_blocks=64))
+    steps: list[float] = []
+    step = engine.step
+
+    def counted() -> list[EngineOutput]:
+        steps.append(time.monotonic())
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
+    thread = EngineThread(engine, idle_wait_s=60.0)
+    thread.start()
+    try:
+        thread.call(lambda e: None).result(timeout=20.0)
+        wait_for(lambda: len(steps) == 1)  # stepped once, now waiting up to 60 s
+        woken = time.monotonic()
+        thread.wake()
+        wait_for(lambda: len(steps) == 2, timeout=20.0)  # far under the 60 s wait
+        assert steps[1] >= woken and thread.alive and not thread.busy()
+    finally:
+        thread.stop(timeout=20.0)
+    assert not thread.alive and len(steps) == 3  # stop's wake: one last step, then it ends

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -58,6 +59,24 @@ def test_partial_noncontiguous_pull_is_bit_exact(make, transport: str) -> None:
         {"model": "demo", "role": "decode", "direction": "recv", "transport": transport},
     )
     assert nbytes == 6 * SMALL.block_bytes
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_ended_load_and_a_release_wake_the_engine(make, transport: str) -> None:
+    """``wake`` (the engine thread's) is called once a load has ended, with its result already
+    takeable, and once released blocks are takeable on the prefill: an engine that only waits
+    on the connector takes them then, not at its next poll."""
+    woke = {"prefill": threading.Event(), "decode": threading.Event()}
+    pre = make(transport, "prefill", seed=1, wake=woke["prefill"].set)
+    dec = make(transport, "decode", wake=woke["decode"].set)
+    params = pre.publish("req", [3, 4], num_tokens=20, first_token_id=5)
+    assert not woke["prefill"].is_set()  # publishing is the engine's own act
+    dec.start_load("d-req", params, [3, 4], [0, 1])
+    assert woke["decode"].wait(10.0)
+    (result,) = dec.take_finished_loads()
+    assert (result.request_id, result.ok) == ("d-req", True)
+    assert woke["prefill"].wait(10.0)  # decode's release after the pull
+    assert pre.take_released() == ["req"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

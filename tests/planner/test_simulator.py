@@ -63,8 +63,8 @@ def test_one_disaggregated_request_has_the_hand_computed_times() -> None:
     (t,) = sim.result.traces
     assert t.ttft == pytest.approx(0.0162)  # the prefill's first token, as in colocated
     # hand-off reaches decode at 15.2 + 3 = 18.2 ms; the pull of 2 blocks takes 1 ms + 65.5 us;
-    # the idle decode engine sees it after half its 2 ms poll; then 10.1 ms per decode step.
-    admitted = 0.0152 + 0.003 + 0.001 + 2 * 32768e-9 + 0.001
+    # the connector wakes the idle decode engine at once; then 10.1 ms per decode step.
+    admitted = 0.0152 + 0.003 + 0.001 + 2 * 32768e-9
     assert t.last_token == pytest.approx(admitted + 2 * 0.0101 + 0.001)
     assert t.itl == pytest.approx((t.last_token - t.first_token) / 2)
     assert t.path == "remote"
