@@ -25,7 +25,8 @@ the steps themselves. Measured, with the profile's step model subtracted:
   (at least the router's and the worker's CPU for a request) and ``token_seconds``; the ITL of
   each request over the median is ``pace_spread``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
-  predicted pull, the decode engine's poll and one decode step, is ``handoff_seconds``.
+  predicted pull and one decode step, is ``handoff_seconds`` (the connector wakes the idle
+  decode engine as the pull ends).
 
 The hand-off is a lower quartile over the requests, as the step times are
 (``engine/sim/profiler.py``): other work on the machine only ever adds to a latency. The first
@@ -59,7 +60,6 @@ import httpx
 from tandem.child_command import subcommand, tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
 from tandem.engine.sim.profile import Profile, ServingCost
-from tandem.planner.sim_worker import POLL_SECONDS
 from tandem.stream_client import send_batches, stream_times
 from tandem.up import worker_port
 from tandem.up_config import ROUTER
@@ -363,7 +363,8 @@ def serving_cost(
     # The hand-off gap needs the second chunk to be the second token (decode's first).
     gaps = [[t[1] - t[0] for t in part if len(t) == OSL] for part in pd]
     handoff_gap = _median_of(gaps, _low) if any(gaps) else 0.0
-    predicted = pull + POLL_SECONDS / 2 + step.step_seconds([(1, ISL)]) + step_overhead
+    # The pull, then (the connector wakes the idle engine) decode's first step.
+    predicted = pull + step.step_seconds([(1, ISL)]) + step_overhead
     # Each request's ITL over its own segment's median: the pace within a stretch.
     medians = [(part, _median(part)) for part in itls if part]
     paces = [[v / m for v in part] for part, m in medians if m]
