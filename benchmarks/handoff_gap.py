@@ -42,18 +42,22 @@ def quantiles(values: list[float]) -> dict[str, float]:
 
 
 def summarize(got: list[Measured]) -> dict[str, dict[str, float] | int]:
+    # A request with a first gap has its first and last chunk times; three tokens give an ITL
+    # and at least one gap after the first.
     ok = [m for m in got if m.error is None and m.first_gap is not None and m.tokens > 2]
     if not ok:
         raise SystemExit("no request streamed three tokens: nothing to time")
-    later = [(m.e2e - m.ttft - m.first_gap) / (m.tokens - 2)
-             for m in ok if m.e2e and m.ttft and m.first_gap]  # fmt: skip
+    ttft = [m.ttft or 0.0 for m in ok]
+    first = [m.first_gap or 0.0 for m in ok]
+    later = [((m.e2e or 0.0) - t - g) / (m.tokens - 2)
+             for m, t, g in zip(ok, ttft, first, strict=True)]  # fmt: skip
     return {
         "requests": len(got),
         "failed": sum(m.error is not None for m in got),
-        "ttft": quantiles([m.ttft for m in ok if m.ttft is not None]),
-        "first_gap": quantiles([m.first_gap for m in ok if m.first_gap is not None]),
+        "ttft": quantiles(ttft),
+        "first_gap": quantiles(first),
         "later_gap": quantiles(later),
-        "itl": quantiles([m.itl for m in ok if m.itl is not None]),
+        "itl": quantiles([m.itl or 0.0 for m in ok]),
     }
 
 
