@@ -187,7 +187,9 @@ class DecodeSide:
         peer: PeerLink | None = None
         kind = p.ReleaseKind.FAILED
         try:
-            peer = await self._until_interrupted(load, self._peer_for(load.params))
+            peer = self._ready_peer(load.params)
+            if peer is None:
+                peer = await self._until_interrupted(load, self._peer_for(load.params))
             if load.interrupt_future.done():
                 raise load.interrupt_future.result()
             peer.held.pop(load.params.remote_request_id, None)
@@ -308,6 +310,20 @@ class DecodeSide:
         finally:
             peer.waiters.pop(xfer, None)
             recv.forget(xfer)
+
+    def _ready_peer(self, params: KVTransferParams) -> PeerLink | None:
+        """The link to ``params``' engine if it is open and its handshake is done, else None.
+
+        The common case once a prefill engine is known: the load sends its PULL in the same
+        loop turn, where awaiting ``_peer_for`` under ``_until_interrupted`` costs three more
+        (a task, a timed wait on a done future, the wait's wake-up) on the hand-off's path.
+        """
+        peer = self._peers.get(params.side_channel)
+        if peer is None or peer.closed or not peer.ready.done() or peer.ready.cancelled():
+            return None
+        if peer.ready.exception() is not None or peer.engine_id != params.engine_id:
+            return None  # _peer_for reports the failure or handshakes afresh
+        return peer
 
     async def _peer_for(self, params: KVTransferParams) -> PeerLink:
         peer = self._peers.get(params.side_channel)

@@ -247,6 +247,42 @@ def test_restarted_prefill_is_detected_as_stale(make) -> None:
     assert not dec.kv_cache.view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_loads_from_a_known_prefill_skip_the_handshake_until_its_engine_changes(
+    make, transport: str
+) -> None:
+    """A load from a prefill engine decode already shook hands with takes the open link at once
+    (no ``_peer_for``); one whose params name another engine at the same address (a restart)
+    does not, and handshakes afresh with the successor."""
+    old = make(transport, "prefill", seed=7)
+    dec = make(transport, "decode")
+    dc = Collector(dec)
+    side = dec._decode
+    looked_up: list[str] = []
+    peer_for = side._peer_for
+
+    async def counting_peer_for(params: KVTransferParams):  # noqa: ANN202
+        looked_up.append(params.engine_id)
+        return await peer_for(params)
+
+    side._peer_for = counting_peer_for
+    for i in range(3):
+        params = old.publish(f"r{i}", [i + 1], 16, 9)
+        dec.start_load(f"d{i}", params, [i + 1], [i + 1])
+        assert dc.load(f"d{i}").ok
+        assert same(dec.kv_cache[i + 1], old.kv_cache[i + 1])
+    assert looked_up == [old.engine_id]  # the first load's handshake only
+    port = int(params.side_channel.rsplit(":", 1)[1])
+    old.close()
+    new = make(transport, "prefill", seed=8, side_channel_port=port)
+    params = new.publish("r9", [9], 16, 9)
+    dec.start_load("d9", params, [9], [9])
+    result = dc.load("d9")
+    assert (result.ok, result.reason) == (True, None)
+    assert same(dec.kv_cache[9], new.kv_cache[9])
+    assert looked_up == [old.engine_id, new.engine_id]
+
+
 def test_dead_peer_does_not_block_others(make) -> None:
     ctx = zmq.Context.instance()
     silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
