@@ -326,6 +326,9 @@ class DecodeSide:
         return peer
 
     async def _peer_for(self, params: KVTransferParams) -> PeerLink:
+        ready = self._ready_peer(params)
+        if ready is not None:  # a hold or release on a known link: no timed wait on a done one
+            return ready
         peer = self._peers.get(params.side_channel)
         if peer is not None and peer.ready.done() and peer.engine_id != params.engine_id:
             # The address now serves another engine (a restart) or the params are stale:
