@@ -193,11 +193,14 @@ def test_killed_decode_worker_leaves_registry_and_traffic_continues(pd: Up) -> N
     if not pids:
         pytest.skip("lsof could not find the worker's pid")
     os.kill(pids[0], signal.SIGKILL)
-    wait_for(
-        lambda: len([w for w in pd.workers() if w["role"] == "decode"]) == 1,
-        15,
-        "dead worker dropped",
-    )
+
+    # `tandem up` restarts the worker under a new engine id: what must go is the dead one's id
+    # (a count could see the restart register before the dead one expires).
+    def dropped() -> bool:
+        listed = {w["engine_id"] for w in pd.workers()}
+        return bool(listed) and decodes[0]["engine_id"] not in listed
+
+    wait_for(dropped, 15, "dead worker dropped")
     for s in ("kill1", "kill2", "kill3"):
         out = chat(pd, make_user_message(s), temperature=0, max_tokens=16)
         assert out.choices[0].message.content == expected_answer(s)
