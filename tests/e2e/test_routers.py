@@ -9,7 +9,6 @@ restarted router binds it again."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import httpx
 from procs import AUTH, Proc, wait_for
 
 from tandem.engine.demo import expected_answer, make_user_message
+from tandem.up_config import _ephemeral_range, worker_port
 
 
 def workers(internal: str) -> list[dict]:
@@ -121,10 +121,9 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
 
 def _free_pair() -> int:
     """A port p with p and p + 1 free, both below the ephemeral range (see the docstring)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        p = random.randrange(10000, low - 2)
-        if _free(p) and _free(p + 1):
+        p = worker_port()
+        if p + 1 < _ephemeral_range()[0] and _free(p + 1):
             return p
 
 
