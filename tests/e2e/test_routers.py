@@ -109,8 +109,8 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
         os.kill(_listener_pid(int(victim["url"].rsplit(":", 1)[1])), signal.SIGKILL)
 
         def dropped_by_both() -> bool:
-            listed = [[w["engine_id"] for w in workers(r)] for r in registries]
-            return all(ids and victim["engine_id"] not in ids for ids in listed)
+            listed = [{w["engine_id"] for w in workers(r)} for r in registries]
+            return all(known and victim["engine_id"] not in known for known in listed)
 
         wait_for(dropped_by_both, 30, "dropped by both")
         for i, url in enumerate(urls):
