@@ -40,7 +40,9 @@ class Up:
         def ready() -> bool:
             if not self.proc.alive():
                 raise RuntimeError(self.proc.log_tail())
-            return len(self.workers()) == expected
+            # Its own start-up done too, or a worker killed by a test would fail the start-up.
+            up_ready = "Tandem is ready" in self.proc.log_path.read_text(errors="replace")
+            return up_ready and len(self.workers()) == expected
 
         wait_for(ready, 180, "tandem up ready")
 

@@ -72,9 +72,12 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
         def everyone_everywhere() -> bool:
             if not up.alive():
                 raise RuntimeError(up.log_tail())
-            return all(len(workers(r)) == 3 for r in registries)
+            # `tandem up` must have finished its own start-up too: a child that dies before
+            # then fails the start-up, and it stops every process (the router killed below).
+            ready = "Tandem is ready" in up.log_path.read_text(errors="replace")
+            return ready and all(len(workers(r)) == 3 for r in registries)
 
-        wait_for(everyone_everywhere, 240, "3 workers on both routers", interval=0.5)
+        wait_for(everyone_everywhere, 240, "tandem up ready, 3 workers on both", interval=0.5)
         ids = [sorted(w["engine_id"] for w in workers(r)) for r in registries]
         assert ids[0] == ids[1]
         for i, url in enumerate(urls):
