@@ -39,6 +39,15 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: floa
 
 T = TypeVar("T")
 
+# What `tandem up` prints once every router lists every worker; a child that dies before it is a
+# failed start-up, and `tandem up` then stops every process.
+UP_READY = "Tandem is ready"
+
+
+def up_is_ready(log: Path) -> bool:
+    """Whether the `tandem up` writing ``log`` has finished its start-up."""
+    return UP_READY in log.read_text(errors="replace")
+
 
 def poll(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
     """`probe()` until it returns something truthy; that value."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from procs import AUTH, Proc, free_port, wait_for
+from procs import AUTH, Proc, free_port, up_is_ready, wait_for
 
 from tandem.engine.demo import expected_answer, held_out_inputs, make_user_message
 
@@ -41,8 +41,7 @@ class Up:
             if not self.proc.alive():
                 raise RuntimeError(self.proc.log_tail())
             # Its own start-up done too, or a worker killed by a test would fail the start-up.
-            up_ready = "Tandem is ready" in self.proc.log_path.read_text(errors="replace")
-            return up_ready and len(self.workers()) == expected
+            return up_is_ready(self.proc.log_path) and len(self.workers()) == expected
 
         wait_for(ready, 180, "tandem up ready")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import free_port, wait_for
+from procs import free_port, up_is_ready, wait_for
 
 from tandem.engine.demo import expected_answer, make_user_message
 
@@ -86,7 +86,7 @@ def test_plain_install_tandem_up_serves_the_demo(tmp_path: Path) -> None:
         def ready() -> bool:
             if not up.alive():
                 raise RuntimeError(up.tail())
-            return "Tandem is ready" in up.log.read_text(errors="replace")
+            return up_is_ready(up.log)
 
         wait_for(ready, 300, "a plain-install tandem up", interval=0.5)
         assert "--kv-transport" not in up.log.read_text()  # the defaults, nothing else

@@ -13,10 +13,11 @@ import signal
 from pathlib import Path
 
 import httpx
-from procs import AUTH, Proc, wait_for
+from procs import AUTH, Proc, up_is_ready, wait_for
 
+from tandem.child_command import subcommand
 from tandem.engine.demo import expected_answer, make_user_message
-from tandem.up_config import _ephemeral_range, worker_port
+from tandem.up_config import _ephemeral_range, port_is_free, worker_port
 
 
 def workers(internal: str) -> list[dict]:
@@ -38,24 +39,24 @@ def ask(url: str, word: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def router_pid(port: int) -> int:
-    pid = _router_pid_or_none(port)
-    if pid is None:
-        raise AssertionError(f"no router on {port}")
-    return pid
-
-
-def _router_pid_or_none(port: int) -> int | None:
+def tandem_pid(command: str, port: int) -> int | None:
+    """The pid of the tandem ``command`` (``router``, ``decode``) serving on ``port``, if any."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
+        except (OSError, UnicodeDecodeError):
             continue
-        if b"router" in argv and str(port).encode() in argv and b"--port" in argv:
+        if subcommand(argv) == command and "--port" in argv and str(port) in argv:
             return int(entry)
     return None
+
+
+def router_pid(port: int) -> int:
+    pid = tandem_pid("router", port)
+    assert pid is not None, f"no router on {port}"
+    return pid
 
 
 def test_two_routers_share_every_worker(tmp_path: Path) -> None:
@@ -74,8 +75,7 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
                 raise RuntimeError(up.log_tail())
             # `tandem up` must have finished its own start-up too: a child that dies before
             # then fails the start-up, and it stops every process (the router killed below).
-            ready = "Tandem is ready" in up.log_path.read_text(errors="replace")
-            return ready and all(len(workers(r)) == 3 for r in registries)
+            return up_is_ready(up.log_path) and all(len(workers(r)) == 3 for r in registries)
 
         wait_for(everyone_everywhere, 240, "tandem up ready, 3 workers on both", interval=0.5)
         ids = [sorted(w["engine_id"] for w in workers(r)) for r in registries]
@@ -92,7 +92,7 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
             if not up.alive():
                 raise RuntimeError(up.log_tail())
             return (
-                _router_pid_or_none(base + 1) not in (None, killed)
+                tandem_pid("router", base + 1) not in (None, killed)
                 and len(workers(registries[1])) == 3
             )
 
@@ -109,7 +109,9 @@ def test_two_routers_share_every_worker(tmp_path: Path) -> None:
         # A decode worker killed: both routers drop it, both keep answering.
         # (`tandem up` restarts it under a new engine id, so the check is on the id, not a count.)
         victim = next(w for w in workers(registries[0]) if w["role"] == "decode")
-        os.kill(_listener_pid(int(victim["url"].rsplit(":", 1)[1])), signal.SIGKILL)
+        victim_pid = tandem_pid("decode", int(victim["url"].rsplit(":", 1)[1]))
+        assert victim_pid is not None, f"no decode worker at {victim['url']}"
+        os.kill(victim_pid, signal.SIGKILL)
 
         def dropped_by_both() -> bool:
             listed = [{w["engine_id"] for w in workers(r)} for r in registries]
@@ -126,29 +128,5 @@ def _free_pair() -> int:
     """A port p with p and p + 1 free, both below the ephemeral range (see the docstring)."""
     while True:
         p = worker_port()
-        if p + 1 < _ephemeral_range()[0] and _free(p + 1):
+        if p + 1 < _ephemeral_range()[0] and port_is_free("127.0.0.1", p + 1):
             return p
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _listener_pid(port: int) -> int:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"tandem.cli" in argv and b"decode" in argv and str(port).encode() in argv:
-            return int(entry)
-    raise AssertionError(f"no decode worker on {port}")
