@@ -77,13 +77,17 @@ class CoreShare:
 
     def _busy(self, now: float, *skip: object) -> list[tuple[float, int]]:
         """(seconds left, threads) of everything busy at ``now`` but the loops and the worker
-        steps in ``skip`` (a worker's streaming thread always counts: it is not its step)."""
+        steps in ``skip`` (a worker's streaming thread always counts: it is not its step). A
+        prefill worker serving a pull holds a core as any thread does; its own step, streaming
+        and wake-ups skip it (they wait for it under one GIL instead: ``SimWorker.owed``)."""
         out = [(x.busy_until - now, 1) for x in self.loops if x not in skip and x.busy_until > now]
         for w in self.workers:
             if w not in skip and w.busy and w.busy_until > now:
                 out.append((w.busy_until - now, self.threads))
             if w.shell_busy_until > now:
                 out.append((w.shell_busy_until - now, 1))
+            if w.serving_until > now and w not in skip:
+                out.append((w.serving_until - now, 1))
         return out
 
     def burst_seconds(self, source: object, start: float, cpu: float) -> float:

@@ -139,6 +139,12 @@ class SimWorker:
         self._arrived: dict[str, float] = {}
 
     @property
+    def serving_until(self) -> float:
+        """When the pull being served ends (past: none): a thread on the shared cores until
+        then, which ``CoreShare`` counts for every other thread."""
+        return self._serving_until
+
+    @property
     def shell_busy(self) -> bool:
         return self.shell_busy_until > self.loop.now
 

@@ -332,6 +332,7 @@ class _Step:
 
     def __init__(self, busy_until: float) -> None:
         self.busy, self.busy_until, self.shell_busy_until = True, busy_until, 0.0
+        self.serving_until = 0.0
 
     def extend(self, seconds: float) -> None:
         self.busy_until += seconds
@@ -357,3 +358,25 @@ def test_a_burst_beside_a_running_step_lengthens_it_by_its_share() -> None:
     assert after_burst(2, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
     # No shared cores (an accelerator): nothing changes.
     assert after_burst(None, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
+
+
+def test_a_prefill_worker_serving_a_pull_holds_a_core_for_every_other_thread() -> None:
+    # One core, 2 ms run-queue wait. A prefill worker idle but for a pull it serves until
+    # t=10 ms: the router's loop waking at 0 finds the core taken (waits 2 ms) and its 1 ms
+    # item runs at half speed beside the pull (2 ms): done at 4 ms. The worker itself does
+    # not count its own pull (its step waits for it instead: SimWorker.owed).
+    ms = 1e-3
+    loop = EventLoop()
+    share = CoreShare(1, 1, lambda _t: 1.0, run_queue_wait=2 * ms)
+    worker = _Step(0.0)
+    worker.busy, worker.serving_until = False, 10 * ms
+    share.workers = [worker]  # type: ignore[list-item]
+    router = RouterLoop(loop, share)
+    share.loops.append(router)
+    router.serve(1 * ms, 0.0, lambda: None)
+    assert router.busy_until == pytest.approx(4 * ms)
+    assert share.wake_wait(5 * ms, worker) == 0.0
+    assert share.burst_seconds(worker, 5 * ms, 1 * ms) == pytest.approx(1 * ms)
+    # Once the pull is served, nothing holds the core.
+    assert share.wake_wait(10 * ms, router) == 0.0
+    assert share.burst_seconds(router, 10 * ms, 1 * ms) == pytest.approx(1 * ms)
