@@ -82,11 +82,12 @@ class CoreShare:
         and wake-ups skip it (they wait for it under one GIL instead: ``SimWorker.owed``)."""
         out = [(x.busy_until - now, 1) for x in self.loops if x not in skip and x.busy_until > now]
         for w in self.workers:
-            if w not in skip and w.busy and w.busy_until > now:
+            own = w in skip
+            if not own and w.busy and w.busy_until > now:
                 out.append((w.busy_until - now, self.threads))
             if w.shell_busy_until > now:
                 out.append((w.shell_busy_until - now, 1))
-            if w.serving_until > now and w not in skip:
+            if not own and w.serving_until > now:
                 out.append((w.serving_until - now, 1))
         return out
 

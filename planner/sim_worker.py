@@ -101,9 +101,10 @@ class SimWorker:
         self._request_overhead = request_overhead
         self._owed = 0.0
         # Serving a pull runs beside the engine thread from the pull's end (one GIL): until
-        # ``_serving_until`` a step that starts waits for the GIL; one that starts later has
-        # lost nothing (the work was done while the worker idled).
-        self._serving_until = 0.0
+        # ``serving_until`` a step that starts waits for the GIL; one that starts later has
+        # lost nothing (the work was done while the worker idled). Until then it is also a
+        # thread on the shared cores, which ``CoreShare`` counts for every other thread.
+        self.serving_until = 0.0
         self.hooks: RoleHooks
         if role is Role.COLOCATED:
             self.hooks = ColocatedHooks()
@@ -139,12 +140,6 @@ class SimWorker:
         self._arrived: dict[str, float] = {}
 
     @property
-    def serving_until(self) -> float:
-        """When the pull being served ends (past: none): a thread on the shared cores until
-        then, which ``CoreShare`` counts for every other thread."""
-        return self._serving_until
-
-    @property
     def shell_busy(self) -> bool:
         return self.shell_busy_until > self.loop.now
 
@@ -166,12 +161,12 @@ class SimWorker:
     def owed(self) -> float:
         """What a step starting now would wait for: the CPU the HTTP side has spent on this
         worker's requests since its last step, and what is left of serving a pull."""
-        return self._owed + max(0.0, self._serving_until - self.loop.now)
+        return self._owed + max(0.0, self.serving_until - self.loop.now)
 
     def _serve_pull(self, seconds: float) -> None:
-        start = max(self.loop.now, self._serving_until)
-        self._serving_until = start + seconds
-        self._cores.burst(start, self._serving_until, 1, self)
+        start = max(self.loop.now, self.serving_until)
+        self.serving_until = start + seconds
+        self._cores.burst(start, self.serving_until, 1, self)
 
     def wake(self, delay: float = 0.0) -> None:
         if self.busy:
@@ -205,7 +200,7 @@ class SimWorker:
             self.history.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
         serving = self.owed + self._overhead
         self._owed = 0.0
-        self._serving_until = min(self._serving_until, self.loop.now)
+        self.serving_until = min(self.serving_until, self.loop.now)
         engine = self.cost.step_seconds(rows)
         self._engine_share = engine / (engine + serving) if engine + serving > 0 else 1.0
         seconds = self._cores.step(self, engine + serving)
