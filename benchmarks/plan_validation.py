@@ -29,7 +29,6 @@ saved run (its ``--out``) again with the current simulator.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 import statistics
@@ -49,7 +48,6 @@ from tandem.calibrate import CPU_REQUESTS, LocalUp, children_cpu, measure_servin
 from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
-from tandem.planner.consistency import consistent
 from tandem.planner.metrics import Percentiles, SimResult
 from tandem.planner.simulator import Deployment, SimOptions, simulate
 from tandem.planner.workload import Arrival, Lengths, Workload, generate
@@ -130,24 +128,17 @@ def _p90(values: list[float]) -> float:
     return Percentiles.of(values).p90
 
 
-@functools.lru_cache(maxsize=64)
-def _consistent(profile_path: Path, cores: int) -> Profile:
-    """The profile at ``profile_path`` made to give back its own calibration on ``cores``
-    shared cores (``planner/consistency.py``; a profile is fitted once per run)."""
-    return consistent(load_profile(profile_path), cores)
-
-
 def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
               simulated: bool, pace: float = 1.0) -> SimResult:  # fmt: skip
     """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``); with
     ``pace``, every step that many times the profile's (``paced_rounds``)."""
-    # Simulated workers wait their steps: they share no cores in the simulator. The replay
-    # client runs on the same cores as the workers.
-    shared = None if simulated else cores
-    profile = _consistent(profile_path, shared) if shared else load_profile(profile_path)
+    profile = load_profile(profile_path)
     if pace != 1.0:
         profile = replace(profile, step=profile.step.scaled(pace))
     dep = Deployment(prefill=p, decode=d, kv_transport="tcp")
+    # Simulated workers wait their steps: they share no cores in the simulator. The replay
+    # client runs on the same cores as the workers.
+    shared = None if simulated else cores
     options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
                          client_shares_cores=True)  # fmt: skip
     return simulate(profile, w, dep, options)

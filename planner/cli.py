@@ -17,7 +17,6 @@ import sys
 import time
 
 from tandem.engine.sim.profile import Profile, load_profile
-from tandem.planner.consistency import consistent
 from tandem.planner.search import SLO, Candidate, Planner, PlanResult, predicted
 from tandem.planner.simulator import Deployment, SimOptions
 from tandem.planner.workload import Arrival, Lengths, Spread, Workload
@@ -193,8 +192,6 @@ def main(argv: list[str]) -> int:
             raise ValueError(
                 f"--isl {args.isl} does not fit max_model_len {profile.model.max_model_len}"
             )
-        if args.shared_cores:  # the profile's lone latencies already hold the sharing
-            profile = consistent(profile, args.shared_cores)
         options = SimOptions(seed=args.seed, shared_cores=args.shared_cores)
         t0 = time.perf_counter()
         plan = Planner(profile, workload, slo, base, options, args.max_workers,

@@ -59,13 +59,13 @@ import httpx
 
 from tandem.child_command import subcommand, tandem_argv
 from tandem.engine.cluster_token import CLUSTER_TOKEN_ENV
-from tandem.engine.sim.profile import CALIBRATION_ISL, CALIBRATION_OSL, Profile, ServingCost
+from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.stream_client import send_batches, stream_times
 from tandem.up import worker_port
 from tandem.up_config import ROUTER
 from tandem.wake_shares import BATCH, scheduler_slice, wake_share
 
-ISL, OSL = CALIBRATION_ISL, CALIBRATION_OSL
+ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
 # lone ITL. A 34-request segment (100 over three) times 0.4 s of a demo worker's streaming,
 # while this host's pace moves over seconds: 16 such segments gave medians of 0.17-0.30 ms

@@ -30,9 +30,6 @@ PROFILE_FORMAT = "tandem-profile"
 # is refused: make it again with `tandem profile`.
 PROFILE_VERSION = 2
 MAX_PROFILE_BYTES = 16 << 20
-# The serving calibration's lone requests (``tandem_pkg/calibrate.py``): prompt and output
-# tokens. ServingCost's latencies are what those requests measured, less the step model.
-CALIBRATION_ISL = CALIBRATION_OSL = 32
 
 
 @dataclass(frozen=True, slots=True)
