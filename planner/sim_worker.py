@@ -138,6 +138,7 @@ class SimWorker:
         # tandem_worker_time_to_first_token_seconds (engine/worker/metrics.py).
         self.first_token_seconds: list[float] = []
         self._arrived: dict[str, float] = {}
+        self._in_run_queue = False  # the idle engine thread woke onto full cores: ``_wake``
 
     @property
     def shell_busy(self) -> bool:
@@ -149,7 +150,17 @@ class SimWorker:
         return WorkerLoad(len(s.running) + len(s.loading), len(s.waiting), self.pool.usage)
 
     def submit(self, req: Request) -> None:
-        """A request reaches the engine thread: role check, queue, wake."""
+        """A request reaches the worker's HTTP thread (called by ``SimRouter``). An idle thread
+        wakes for it, a core first if every one is taken (``CoreShare.wake_wait``, as for every
+        thread that wakes), then hands it to the engine thread (``_admit``)."""
+        wait = 0.0 if self.shell_busy else self._cores.wake_wait(self.loop.now, self)
+        if wait > 0.0:
+            self.loop.after(wait, partial(self._admit, req))
+        else:
+            self._admit(req)
+
+    def _admit(self, req: Request) -> None:
+        """The request reaches the engine thread: role check, queue, wake."""
         self.hooks.on_admit(req)
         self.scheduler.add_request(req)
         self._arrived[req.request_id] = self.loop.now
@@ -169,7 +180,7 @@ class SimWorker:
         self._cores.burst(start, self.serving_until, 1, self)
 
     def wake(self, delay: float = 0.0) -> None:
-        if self.busy:
+        if self.busy or self._in_run_queue:
             return
         t = self.loop.now + delay
         if self._wake_at is not None and self._wake_at <= t:
@@ -180,6 +191,15 @@ class SimWorker:
     def _wake(self) -> None:
         if self._wake_at is None or self.loop.now < self._wake_at:
             return  # superseded by an earlier wake
+        if not self._in_run_queue:
+            # The idle engine thread wakes: a core first, if every one is taken.
+            wait = self._cores.wake_wait(self.loop.now, self)
+            if wait > 0.0:
+                self._in_run_queue = True
+                self._wake_at = self.loop.now + wait
+                self.loop.at(self._wake_at, self._wake)
+                return
+        self._in_run_queue = False
         self._wake_at = None
         self._step()
 

@@ -9,7 +9,9 @@ import pytest
 from sim_profiles import synthetic_profile
 
 from tandem.engine.config import SchedulerConfig
+from tandem.engine.request import Request
 from tandem.engine.role import Role
+from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sim.profile import ServingCost
 from tandem.planner.cores import CoreShare, shared_seconds
 from tandem.planner.events import EventLoop
@@ -89,6 +91,38 @@ def test_a_loop_waking_onto_full_cores_waits_the_run_queue_first() -> None:
     # Not modelled (0, what older profiles load with), or the cores unshared: no wait.
     assert CoreShare(1, 1, lambda _t: 1.0).wake_wait(0.0, router) == 0.0
     assert CoreShare(None, 1, lambda _t: 1.0, run_queue_wait=0.002).wake_wait(0.0, router) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("busy_until", "first_token", "at_worker"), [(0.0, 0.010, 0.010), (0.003, 0.014, 0.012)]
+)
+def test_a_worker_waking_for_a_request_waits_for_a_core_at_each_thread(
+    busy_until: float, first_token: float, at_worker: float
+) -> None:
+    # One core, 2 ms of run-queue wait, a 10 ms step. Another thread holds the core until
+    # 3 ms: the worker's idle HTTP thread wakes for the request at t=0 onto the full core and
+    # hands it over at 2 ms; the idle engine thread it wakes finds the core still taken and
+    # starts the step at 4 ms, alone: the token at 14 ms, 12 ms after the worker had it. With
+    # the core free, neither waits: the token at 10 ms.
+    loop = EventLoop()
+    prof = synthetic_profile(execute=(0.01, 0, 0, 0, 0, 0, 0), serving=BASE)
+    share = CoreShare(1, 1, lambda _t: 1.0, run_queue_wait=0.002)
+    share.loops.append(_Busy(busy_until))
+    tokens: list[float] = []
+    callbacks = WorkerCallbacks(lambda *_: tokens.append(loop.now), lambda *_: None,
+                                lambda *_: None)  # fmt: skip
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    fabric = KVFabric(loop, lambda n: 0.0, prof.engine.block_bytes)
+    w = SimWorker(loop, "w", Role.COLOCATED, prof.step, config, 64, 16, prof.model.sim_token_ids,
+                  fabric, callbacks, share)  # fmt: skip
+    share.workers = [w]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    w.submit(Request("r0", list(range(1, 9)), params, eos_token_ids=frozenset([257]),
+                     block_size=16, max_tokens=1))  # fmt: skip
+    loop.run()
+    assert tokens == pytest.approx([first_token])
+    assert w.first_token_seconds == pytest.approx([at_worker])  # from the engine's intake
+    w.kv.check_integrity()
 
 
 def test_the_run_queue_wait_delays_a_lone_request_only_on_full_cores() -> None:
