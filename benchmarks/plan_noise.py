@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from plan_report import Row, row_from_json
 
 TOLERANCE = 0.25  # plan_report's: a check passes within 25 %
 METRICS = ("ttft", "itl")
@@ -79,21 +80,27 @@ def case_residuals(*series: list[float]) -> list[tuple[float, ...]]:
             for i in range(n)]  # fmt: skip
 
 
-def class_noise(rows: list[dict]) -> list[ClassNoise]:
-    """Every class's ``ClassNoise`` from ``rows`` (results.json rows of one or more runs, each
-    with at least two rounds)."""
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+def _rounds(r: Row) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Per metric: (measured, predicted) p90 of each round."""
+    return {"ttft": (r.ttft_rounds, r.predicted_ttft_rounds),
+            "itl": (r.itl_rounds, r.predicted_itl_rounds)}  # fmt: skip
+
+
+def class_noise(rows: list[Row]) -> list[ClassNoise]:
+    """Every class's ``ClassNoise`` from ``rows`` (the rows of one or more runs, each with at
+    least two rounds)."""
+    groups: dict[tuple[str, str, str], list[Row]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["load"], r["deployment"]), []).append(r)
+        groups.setdefault((r.model, r.load, r.deployment), []).append(r)
     out = []
     for (model, load, dep), cases in sorted(groups.items()):
         residuals = []
         errors: dict[str, list[tuple[float, float]]] = {}
         for r in cases:
-            series = [r[f"{p}{k}_rounds"] for k in METRICS for p in ("", "predicted_")]
-            residuals += case_residuals(*series)
-            errors.setdefault(r["workload"], []).append(tuple(
-                _log_median(r[f"predicted_{k}_rounds"]) - _log_median(r[f"{k}_rounds"])
+            rounds = _rounds(r)
+            residuals += case_residuals(*(s for k in METRICS for s in rounds[k]))
+            errors.setdefault(r.workload, []).append(tuple(
+                _log_median(list(rounds[k][1])) - _log_median(list(rounds[k][0]))
                 for k in METRICS
             ))  # fmt: skip
         bias = {w: (statistics.fmean(e[0] for e in es), statistics.fmean(e[1] for e in es))
@@ -134,10 +141,9 @@ def run_odds(classes: list[ClassNoise], rounds: int, spread: bool) -> RunOdds:
     pace, so the chance all pass is, if anything, higher."""
     all_pass, mean = 1.0, 0.0
     for c in classes:
-        for _ in c.bias:
-            case = pass_chance(c, rounds, spread, (0.0, 0.0))
-            all_pass *= case
-            mean += case
+        case = pass_chance(c, rounds, spread, (0.0, 0.0))  # the same for each workload
+        all_pass *= case ** len(c.bias)
+        mean += case * len(c.bias)
     return RunOdds(all_pass, mean)
 
 
@@ -158,23 +164,17 @@ class Observed:
     paired: float
 
 
-def observed(rows: list[dict]) -> Observed:
-    runs = max(1, len({r["run"] for r in rows}))
+def observed(rows: list[Row], runs: int) -> Observed:
+    """``Observed`` over ``rows``, the cases of ``runs`` runs."""
+    runs = max(1, runs)
     cases = singles = paired = 0.0
     for r in rows:
-        measured = {k: r[f"{k}_rounds"] for k in METRICS}
-        predicted = {k: r[f"predicted_{k}_rounds"] for k in METRICS}
-        cases += all(_within(statistics.median(measured[k]), statistics.median(predicted[k]))
-                     for k in METRICS)  # fmt: skip
+        cases += abs(r.ttft_error) <= TOLERANCE and abs(r.itl_error) <= TOLERANCE
+        singles += r.rounds_within / len(r.ttft_rounds)
         paired += all(
-            _within(1.0, statistics.median(
-                [p / m for m, p in zip(measured[k], predicted[k], strict=True)]))
-            for k in METRICS
-        )  # fmt: skip
-        pairs = zip(measured["ttft"], measured["itl"], predicted["ttft"], predicted["itl"],
-                    strict=True)  # fmt: skip
-        ok = [_within(t, pt) and _within(i, pi) for t, i, pt, pi in pairs]
-        singles += sum(ok) / len(ok)
+            _within(1.0, statistics.median([p / m for m, p in zip(*pair, strict=True)]))
+            for pair in _rounds(r).values()
+        )
     return Observed(cases / runs, singles / runs, paired / runs)
 
 
@@ -183,9 +183,9 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="plan_validation.py --out folders")
     ap.add_argument("--rounds", default="3,5,7,9", help="rounds per case to evaluate")
     args = ap.parse_args()
-    rows = [r | {"run": run} for run in args.runs
+    rows = [row_from_json(r) for run in args.runs
             for r in json.loads((Path(run) / "results.json").read_text())]  # fmt: skip
-    rows = [r for r in rows if len(r["ttft_rounds"]) >= 2]
+    rows = [r for r in rows if len(r.ttft_rounds) >= 2]
     classes = class_noise(rows)
     print(f"{len(rows)} cases from {len(args.runs)} runs\n")
     print("| model | load | deployment | TTFT SD measured, predicted (correlation) | "
@@ -206,7 +206,7 @@ def main() -> None:
         unbiased = run_odds(classes, n, spread=True)
         print(f"| {n} | {perfect.all_pass:.2f} | {perfect.mean_cases:.1f} of {cases} | "
               f"{unbiased.all_pass:.2f} | {unbiased.mean_cases:.1f} of {cases} |")  # fmt: skip
-    got = observed(rows)
+    got = observed(rows, len(args.runs))
     print(f"\nThe runs scored {got.cases:.1f} of {cases} cases per run on average (biases "
           f"included), {got.singles:.1f} of {cases} in a single round, and {got.paired:.1f} "
           f"judged by the median of each round's own error (a diagnostic).")  # fmt: skip

@@ -5,7 +5,7 @@ Shared with plan_resimulate.py, which reports a saved run predicted again."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 
@@ -89,6 +89,13 @@ class Row:
         n = len(self.ttft_rounds)
         return replace(self, predicted_ttft_p90=t, predicted_itl_p90=i,
                        predicted_ttft_rounds=(t,) * n, predicted_itl_rounds=(i,) * n)  # fmt: skip
+
+
+def row_from_json(r: dict) -> Row:
+    """A ``Row`` from its ``results.json`` form (lists for tuples). A run saved by another
+    version may carry columns this one does not know: they are dropped."""
+    known = {f.name for f in fields(Row)}
+    return Row(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items() if k in known})
 
 
 def _span(values: tuple[float, ...], scale: float, unit: str, digits: int) -> str:

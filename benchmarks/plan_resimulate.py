@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
-from plan_report import Row, table
+from plan_report import Row, row_from_json, table
 from plan_validation import (
     DEPLOYMENTS,
     _simulate,
@@ -54,15 +54,8 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
     case's own (its serving costs measured just before it, ``--serving-per-case``) where the
     run saved one and ``per_case``, else its round's."""
     rows = []
-    known = {f.name for f in fields(Row)}
     for r in json.loads((run / "results.json").read_text()):
-        # A run saved by another version may carry columns this one does not know: drop them.
-        r = {k: v for k, v in r.items() if k in known}
-        rounds = ("ttft_rounds", "itl_rounds", "predicted_ttft_rounds", "predicted_itl_rounds",
-                  "cpu_rounds", "worker_ttft_rounds", "predicted_worker_ttft_rounds",
-                  "busy_rounds", "predicted_busy_rounds", "paced_ttft_rounds",
-                  "paced_itl_rounds")  # fmt: skip
-        row = Row(**{**r, **{k: tuple(r.get(k, ())) for k in rounds}})
+        row = row_from_json(r)
         paths = _profiles(run, row.model, len(row.ttft_rounds))
         isl, osl = workloads(load_profile(paths[0]).model.max_model_len)[row.workload]
         w = case_workload(row.rate, isl, osl, row.requests)

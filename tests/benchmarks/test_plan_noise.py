@@ -1,6 +1,7 @@
 """plan_noise: a validation run's residuals, biases and the odds a predictor passes."""
 
 import math
+import statistics
 
 import pytest
 from plan_noise import (
@@ -11,15 +12,19 @@ from plan_noise import (
     pass_chance,
     run_odds,
 )
+from plan_report import Row
 
 
 def _row(workload: str, ttft: list[float], p_ttft: list[float], itl: list[float],
-         p_itl: list[float], run: str = "r1") -> dict:  # fmt: skip
-    return {
-        "run": run, "model": "demo", "workload": workload, "load": "light",
-        "deployment": "colocated", "ttft_rounds": ttft, "predicted_ttft_rounds": p_ttft,
-        "itl_rounds": itl, "predicted_itl_rounds": p_itl,
-    }  # fmt: skip
+         p_itl: list[float]) -> Row:  # fmt: skip
+    return Row(
+        model="demo", workload=workload, load="light", rate=5.0, deployment="colocated",
+        requests=20, measured_ttft_p90=statistics.median(ttft),
+        predicted_ttft_p90=statistics.median(p_ttft), measured_itl_p90=statistics.median(itl),
+        predicted_itl_p90=statistics.median(p_itl), failed=0, ttft_rounds=tuple(ttft),
+        itl_rounds=tuple(itl), predicted_ttft_rounds=tuple(p_ttft),
+        predicted_itl_rounds=tuple(p_itl),
+    )  # fmt: skip
 
 
 def _class(residuals: list[tuple[float, float, float, float]], workloads: int = 1) -> ClassNoise:
@@ -39,7 +44,7 @@ def test_class_noise_keeps_a_rounds_four_residuals_together_and_each_workloads_b
     rows = [
         # TTFT predicted 10 % over in every round, ITL exact.
         _row("chat", [0.010, 0.020, 0.040], [0.011, 0.022, 0.044], [1e-3] * 3, [1e-3] * 3),
-        _row("chat", [0.010] * 3, [0.012] * 3, [1e-3] * 3, [1e-3] * 3, run="r2"),  # 20 % over
+        _row("chat", [0.010] * 3, [0.012] * 3, [1e-3] * 3, [1e-3] * 3),  # 20 % over
     ]
     (c,) = class_noise(rows)
     assert len(c.residuals) == 6
@@ -103,9 +108,9 @@ def test_observed_counts_cases_and_single_rounds_per_run() -> None:
         _row("chat", [0.020, 0.021, 0.030], [0.020] * 3, [1e-3] * 3, [1e-3] * 3),
         # ITL 33 % under in every round.
         _row("decode-heavy", [0.02] * 3, [0.02] * 3, [3e-3] * 3, [2e-3] * 3),
-        _row("chat", [0.02] * 3, [0.02] * 3, [1e-3] * 3, [1e-3] * 3, run="r2"),
+        _row("chat", [0.02] * 3, [0.02] * 3, [1e-3] * 3, [1e-3] * 3),
     ]
-    got = observed(rows)
+    got = observed(rows, 2)
     assert got.cases == 1.0  # (1 + 0 + 1) over two runs
     assert got.singles == pytest.approx((2 / 3 + 0 + 1) / 2)
     assert got.paired == 1.0  # the first case's round errors 0, -5 %, -33 %: median -5 %
@@ -115,6 +120,6 @@ def test_paired_judges_the_median_of_each_rounds_own_error() -> None:
     # Medians 0.011 predicted against 0.03 measured: -63 %, a miss. Round by round: +10 %,
     # -63 %, 0 %: the median error is 0 %.
     rows = [_row("chat", [0.01, 0.03, 0.03], [0.011, 0.011, 0.03], [1e-3] * 3, [1e-3] * 3)]
-    got = observed(rows)
+    got = observed(rows, 1)
     assert got.cases == 0.0
     assert got.paired == 1.0
