@@ -161,6 +161,15 @@ def front_role(p: int) -> str:
     return "prefill" if p else "colocated"
 
 
+def up_args(model: str, p: int, d: int, threads: int, simulate: Path | None = None) -> list[str]:
+    """`tandem up`'s flags for a case's deployment (``p`` 0: one colocated worker), KV over TCP.
+    Every worker runs the threads the profile's steps were timed with; ``simulate``: simulated
+    workers on that profile."""
+    args = ["--model", model, "--prefill", str(p), "--decode", str(d),
+            "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
+    return args + (["--simulate", str(simulate)] if simulate is not None else [])
+
+
 def _front_metrics(up: LocalUp, p: int) -> str:
     """The metrics URL of the front worker (``front_role``)."""
     return next(w["url"] for w in up.workers() if w["role"] == front_role(p)) + "/metrics"
@@ -217,11 +226,7 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             if serving_per_case and not simulated:
                 case_profile = recalibrate_serving(round_profile, model, logs / "profile.json",
                                                    threads, seed=1000 * rnd + i)  # fmt: skip
-            # Every deployment's workers run the threads the profile's steps were timed with.
-            args = ["--model", model, "--prefill", str(p), "--decode", str(d),
-                    "--kv-transport", "tcp", "--worker-threads", str(threads)]  # fmt: skip
-            if simulated:
-                args += ["--simulate", str(round_profile)]
+            args = up_args(model, p, d, threads, round_profile if simulated else None)
             with LocalUp(args, p + d, logs) as up:
                 replay(up.url, model, warm)  # tandem up serves --model under that name
                 front = _front_metrics(up, p)

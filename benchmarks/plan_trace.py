@@ -1,0 +1,168 @@
+"""One validation case, request by request: the real `tandem up` beside the simulator.
+
+``plan_validation.py`` judges a case by two p90s. When one misses, the question is which
+requests made the difference and why: a p90 of 20-70 requests is set by its top few. This
+replays one case's requests (the same generator and seed as ``plan_validation.py``) on a fresh
+`tandem up` ``--repeats`` times (fresh each time: a second replay on the same workers would hit
+the prefix cache the first one filled), simulates them with the given profile, and prints for
+every request, in arrival order, the simulated TTFT and ITL beside each replay's, then the p90s,
+each replay's step pace (the workers' busy seconds over the simulator's step seconds) and how
+many requests ran more than 25 % over the simulator's ITL.
+
+    python benchmarks/plan_trace.py --model random-512 --profile /tmp/pv/profile-random-512.json \\
+        --workload prefill-heavy --load light --deployment colocated --duration 30
+
+Round 36 of docs/planning.md used it on random-512's colocated prefill-heavy case at light
+load: the requests that set its measured ITL p90 were those whose decode ran into the next
+arrival's prefill because their own prefill had run slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from plan_validation import (
+    DEPLOYMENTS,
+    _busy,
+    _p90,
+    _simulate,
+    case_workload,
+    engine_seconds,
+    rates,
+    up_args,
+    workloads,
+)
+from replay_load import Measured, replay
+
+from tandem.calibrate import LocalUp
+from tandem.engine.sim.profile import load_profile
+from tandem.planner.metrics import RequestTrace
+from tandem.planner.workload import generate
+
+OVER = 1.25  # a replayed request "over" the simulator: its ITL above this multiple of the sim's
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One request: its arrival, the simulator's TTFT and ITL, and each replay's (None where
+    that replay's request failed or streamed one token)."""
+
+    arrival: float
+    sim_ttft: float | None
+    sim_itl: float | None
+    real: tuple[tuple[float | None, float | None], ...]
+
+
+def trace_itl(t: RequestTrace) -> float | None:
+    """guidellm's ITL of a simulated request (as ``replay_load`` measures a real one): the
+    mean gap after the first token; None with fewer than two tokens."""
+    if t.first_token is None or t.last_token is None or t.num_tokens < 2:
+        return None
+    return (t.last_token - t.first_token) / (t.num_tokens - 1)
+
+
+def join(traces: Sequence[RequestTrace], replays: Sequence[Sequence[Measured]]) -> list[TraceRow]:
+    """The simulator's traces and each replay's measurements, request by request. Both follow
+    the requests' arrival order (``replay`` answers in request order; traces are sorted here,
+    stably, so requests arriving together keep the simulator's order)."""
+    ordered = sorted(traces, key=lambda t: t.arrival)
+    if any(len(r) != len(ordered) for r in replays):
+        raise ValueError(f"every replay needs {len(ordered)} requests, as the simulator ran")
+    rows = []
+    for i, t in enumerate(ordered):
+        ttft = None if t.first_token is None else t.first_token - t.arrival
+        real = tuple((r[i].ttft, r[i].itl) for r in replays)
+        rows.append(TraceRow(t.arrival, ttft, trace_itl(t), real))
+    return rows
+
+
+def over(rows: Sequence[TraceRow], replay: int, factor: float = OVER) -> int:
+    """Requests of replay ``replay`` whose ITL exceeds ``factor`` x the simulator's."""
+    return sum(
+        1
+        for r in rows
+        if r.sim_itl is not None
+        and r.real[replay][1] is not None
+        and r.real[replay][1] > factor * r.sim_itl
+    )
+
+
+def _ms(v: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v * 1e3:{width}.{digits}f}"
+
+
+def render(rows: Sequence[TraceRow], paces: Sequence[float]) -> str:
+    """The request table (milliseconds), then per replay its p90s, pace and requests over."""
+    replays = " | ".join(f"replay {i + 1} TTFT  ITL" for i in range(len(paces)))
+    lines = [f"arrival s | sim TTFT  ITL | {replays}"]
+    for r in rows:
+        cells = " | ".join(f"{_ms(t, 13, 1)} {_ms(i, 5, 2)}" for t, i in r.real)
+        lines.append(f"{r.arrival:9.3f} | {_ms(r.sim_ttft, 8, 1)} {_ms(r.sim_itl, 5, 2)} | {cells}")
+
+    def p90(values: list[float | None]) -> str:
+        vals = [v for v in values if v is not None]
+        return _ms(_p90(vals), 0, 2) if vals else "-"
+
+    lines.append(f"simulator: TTFT p90 {p90([r.sim_ttft for r in rows])} ms, ITL p90 "
+                 f"{p90([r.sim_itl for r in rows])} ms")  # fmt: skip
+    for k, pace in enumerate(paces):
+        lines.append(
+            f"replay {k + 1}: TTFT p90 {p90([r.real[k][0] for r in rows])} ms, ITL p90 "
+            f"{p90([r.real[k][1] for r in rows])} ms, steps at {pace:.2f}x the simulator's, "
+            f"{over(rows, k)} of {len(rows)} requests over {OVER:.2f}x its ITL"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="demo, random-512 or a model directory")
+    ap.add_argument("--profile", required=True, help="the profile to predict from")
+    ap.add_argument("--workload", choices=["chat", "prefill-heavy", "decode-heavy"],
+                    required=True)  # fmt: skip
+    ap.add_argument("--load", choices=["light", "moderate"], default="light")
+    ap.add_argument("--rate", type=float, default=None, help="requests/s (default: --load's)")
+    ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS), default="colocated")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")
+    ap.add_argument("--repeats", type=int, default=1, help="replays, each on a fresh deployment")
+    ap.add_argument("--cores", type=int, default=2, help="cores the workers share")
+    args = ap.parse_args()
+    if args.repeats < 1 or args.duration <= 0 or (args.rate is not None and args.rate <= 0):
+        ap.error("--repeats, --duration and --rate must be positive")
+    model = args.model
+    if model == "random-512":
+        from offline_throughput import write_random_llama
+
+        model = write_random_llama(hidden=512, layers=4, printable=True)
+    profile_path = Path(args.profile)
+    profile = load_profile(profile_path)
+    isl, osl = workloads(profile.model.max_model_len)[args.workload]
+    rate = args.rate or rates(profile, isl, osl)[args.load]
+    w = case_workload(rate, isl, osl, max(20, round(rate * args.duration)))
+    reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
+    warm = generate(case_workload(rate, isl, osl, 4), profile.model.sim_token_ids, 99,
+                    profile.model.max_model_len)  # fmt: skip
+    p, d = DEPLOYMENTS[args.deployment]
+    sim = _simulate(profile_path, w, p, d, args.cores, simulated=False)
+    replays, paces = [], []
+    logs = Path(tempfile.mkdtemp(prefix="plan-trace-"))
+    for k in range(args.repeats):
+        (logs / str(k)).mkdir()
+        with LocalUp(up_args(model, p, d, profile.threads), p + d, logs / str(k)) as up:
+            replay(up.url, model, warm)
+            busy = _busy(up)
+            replays.append(replay(up.url, model, reqs))
+            paces.append((_busy(up) - busy) / engine_seconds(sim))
+    print(f"{args.model} {args.workload} {rate:.3f}/s {args.deployment}, {len(reqs)} requests "
+          f"({isl} in, {osl} out), logs in {logs}")  # fmt: skip
+    print(render(join(sim.traces, replays), paces))
+    print(f"median pace {statistics.median(paces):.2f}")
+
+
+if __name__ == "__main__":
+    main()
