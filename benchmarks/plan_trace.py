@@ -20,7 +20,6 @@ arrival's prefill because their own prefill had run slow.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from plan_validation import (
 from replay_load import Measured, replay
 
 from tandem.calibrate import LocalUp
+from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
 from tandem.planner.metrics import RequestTrace
 from tandem.planner.workload import generate
@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS), default="colocated")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")
     ap.add_argument("--repeats", type=int, default=1, help="replays, each on a fresh deployment")
-    ap.add_argument("--cores", type=int, default=2, help="cores the workers share")
+    ap.add_argument("--cores", type=int, default=available_cpus(),
+                    help="cores the workers share (the simulator's shared_cores)")  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1 or args.duration <= 0 or (args.rate is not None and args.rate <= 0):
         ap.error("--repeats, --duration and --rate must be positive")
@@ -161,7 +162,6 @@ def main() -> None:
     print(f"{args.model} {args.workload} {rate:.3f}/s {args.deployment}, {len(reqs)} requests "
           f"({isl} in, {osl} out), logs in {logs}")  # fmt: skip
     print(render(join(sim.traces, replays), paces))
-    print(f"median pace {statistics.median(paces):.2f}")
 
 
 if __name__ == "__main__":
