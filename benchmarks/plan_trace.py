@@ -30,8 +30,10 @@ from plan_validation import (
     _busy,
     _p90,
     _simulate,
+    case_requests,
     case_workload,
     engine_seconds,
+    model_path,
     rates,
     up_args,
     workloads,
@@ -42,7 +44,6 @@ from tandem.calibrate import LocalUp
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
 from tandem.planner.metrics import RequestTrace
-from tandem.planner.workload import generate
 
 OVER = 1.25  # a replayed request "over" the simulator: its ITL above this multiple of the sim's
 
@@ -58,14 +59,6 @@ class TraceRow:
     real: tuple[tuple[float | None, float | None], ...]
 
 
-def trace_itl(t: RequestTrace) -> float | None:
-    """guidellm's ITL of a simulated request (as ``replay_load`` measures a real one): the
-    mean gap after the first token; None with fewer than two tokens."""
-    if t.first_token is None or t.last_token is None or t.num_tokens < 2:
-        return None
-    return (t.last_token - t.first_token) / (t.num_tokens - 1)
-
-
 def join(traces: Sequence[RequestTrace], replays: Sequence[Sequence[Measured]]) -> list[TraceRow]:
     """The simulator's traces and each replay's measurements, request by request. Both follow
     the requests' arrival order (``replay`` answers in request order; traces are sorted here,
@@ -75,9 +68,8 @@ def join(traces: Sequence[RequestTrace], replays: Sequence[Sequence[Measured]]) 
         raise ValueError(f"every replay needs {len(ordered)} requests, as the simulator ran")
     rows = []
     for i, t in enumerate(ordered):
-        ttft = None if t.first_token is None else t.first_token - t.arrival
         real = tuple((r[i].ttft, r[i].itl) for r in replays)
-        rows.append(TraceRow(t.arrival, ttft, trace_itl(t), real))
+        rows.append(TraceRow(t.arrival, t.ttft, t.itl, real))
     return rows
 
 
@@ -135,19 +127,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1 or args.duration <= 0 or (args.rate is not None and args.rate <= 0):
         ap.error("--repeats, --duration and --rate must be positive")
-    model = args.model
-    if model == "random-512":
-        from offline_throughput import write_random_llama
-
-        model = write_random_llama(hidden=512, layers=4, printable=True)
+    model = model_path(args.model)
     profile_path = Path(args.profile)
     profile = load_profile(profile_path)
     isl, osl = workloads(profile.model.max_model_len)[args.workload]
     rate = args.rate or rates(profile, isl, osl)[args.load]
     w = case_workload(rate, isl, osl, max(20, round(rate * args.duration)))
-    reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
-    warm = generate(case_workload(rate, isl, osl, 4), profile.model.sim_token_ids, 99,
-                    profile.model.max_model_len)  # fmt: skip
+    reqs, warm = case_requests(w, profile)
     p, d = DEPLOYMENTS[args.deployment]
     sim = _simulate(profile_path, w, p, d, args.cores, simulated=False)
     replays, paces = [], []

@@ -50,7 +50,7 @@ from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles, SimResult
 from tandem.planner.simulator import Deployment, SimOptions, simulate
-from tandem.planner.workload import Arrival, Lengths, Workload, generate
+from tandem.planner.workload import Arrival, Lengths, Workload, WorkloadRequest, generate
 
 DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
 WORKER_TTFT = "tandem_worker_time_to_first_token_seconds"  # engine/worker/metrics.py
@@ -86,6 +86,24 @@ def case_workload(rate: float, isl: int, osl: int, requests: int) -> Workload:
     simulator both draw its requests with seed 0; ``plan_resimulate.py`` rebuilds it)."""
     return Workload(rate=rate, isl=Lengths(isl), osl=Lengths(osl), num_requests=requests,
                     arrival=Arrival.POISSON)  # fmt: skip
+
+
+def case_requests(w: Workload, profile: Profile) -> tuple[list[WorkloadRequest],
+                                                          list[WorkloadRequest]]:  # fmt: skip
+    """A case's requests (seed 0, the ones the simulator predicts) and the 4 that warm a fresh
+    deployment up first (seed 99: no prefix shared with the timed ones)."""
+    ids, max_len = profile.model.sim_token_ids, profile.model.max_model_len
+    return generate(w, ids, 0, max_len), generate(replace(w, num_requests=4), ids, 99, max_len)
+
+
+def model_path(name: str) -> str:
+    """``name`` as `tandem up --model` takes it: random-512 written to a temp dir (a
+    random-weight Llama, hidden 512, whose tokens are printable characters), else as given."""
+    if name != "random-512":
+        return name
+    from offline_throughput import write_random_llama
+
+    return write_random_llama(hidden=512, layers=4, printable=True)
 
 
 def profile_model(model: str, name: str, out: Path, quick: bool, threads: int,
@@ -217,9 +235,7 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
         for i, (wname, lname, rate, dname, p, d, w) in enumerate(cases):
             if guard is not None:
                 guard.check(f"{name} {wname} {lname} {dname} (round {rnd + 1})")
-            reqs = generate(w, profile.model.sim_token_ids, 0, profile.model.max_model_len)
-            warm = generate(replace(w, num_requests=4), profile.model.sim_token_ids, 99,
-                            profile.model.max_model_len)  # fmt: skip
+            reqs, warm = case_requests(w, profile)
             logs = case_dir(out, name, wname, lname, dname, rnd)
             logs.mkdir(parents=True, exist_ok=True)
             case_profile = round_profile
@@ -336,12 +352,8 @@ def main() -> None:
     guard = SourceGuard()  # before the first profile: every process of the run runs this code
     rows: list[Row] = []
     for name in args.models.split(","):
-        model = name
+        model = model_path(name)
         label = Path(name).name  # the tables' and profiles' name: random-512, not its temp dir
-        if name == "random-512":
-            from offline_throughput import write_random_llama
-
-            model = write_random_llama(hidden=512, layers=4, printable=True)
         threads = args.threads or split_threads(args.cores, 2)
         if name in given:
             # A copy beside the results, so plan_resimulate.py finds it there as it finds a

@@ -1,7 +1,7 @@
 """plan_trace: a case's requests joined, simulator beside replays, and its summary."""
 
 import pytest
-from plan_trace import TraceRow, join, over, render, trace_itl
+from plan_trace import TraceRow, join, over, render
 from replay_load import Measured
 
 from tandem.planner.metrics import RequestTrace
@@ -13,9 +13,9 @@ def _trace(arrival: float, first: float | None, last: float | None, tokens: int)
 
 
 def test_a_simulated_request_itl_is_the_mean_gap_after_its_first_token() -> None:
-    assert trace_itl(_trace(1.0, 1.1, 1.4, 4)) == pytest.approx(0.1)
-    assert trace_itl(_trace(1.0, 1.1, 1.1, 1)) is None
-    assert trace_itl(_trace(1.0, None, None, 0)) is None
+    assert _trace(1.0, 1.1, 1.4, 4).itl == pytest.approx(0.1)
+    assert _trace(1.0, 1.1, 1.1, 1).itl is None
+    assert _trace(1.0, None, None, 0).itl is None
 
 
 def test_join_orders_the_traces_by_arrival_beside_each_replay() -> None:
