@@ -72,6 +72,8 @@ def main() -> int:
             return [o.token_ids for o in llm.generate(batch, p)]
 
         outputs[name] = gen(prompts[2048][:8], 16)
+        if len(outputs) == 2:  # before the second rule's timings: a cut-off run still says it
+            print(f"same greedy tokens: {outputs['fixed'] == outputs['occupancy']}", flush=True)
         rows = results["ms_per_step"].setdefault(name, {})
         for c in CONTEXTS:
             for b in BATCHES:
