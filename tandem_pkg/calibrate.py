@@ -385,7 +385,10 @@ def serving_cost(
         router_wake_share=round(router_wake, 3),
         client_wake_share=round(client_wake, 3),
         row_wake_share=round(row_wake, 3),
-        run_queue_wait=round(scheduler_slice(), 6),
+        # A woken thread lands at a random point of the running one's slice: half a slice on
+        # average (a whole slice over-predicted the demo's 1P1D TTFT by 30-49 %, planning.md
+        # round 37).
+        run_queue_wait=round(scheduler_slice() / 2, 6),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

@@ -17,9 +17,11 @@ step makes them) ``batched = c + w / B``, the share of the lone cost that is the
     share = (1 - batched / alone) * B / (B - 1), clamped to [0, 1].
 
 A thread that wakes while every core is busy also waits for one, for up to the kernel's time
-slice (``scheduler_slice``, ``ServingCost.run_queue_wait``). Without that wait the demo's TTFT
-p90 was 18-51 % under-predicted in a validation run (docs/planning.md, round 24): its lone
-requests were predicted within 0.5-1.2 ms, the ones beside another stream 2-4 ms early.
+slice (``scheduler_slice``), half of it on average (``ServingCost.run_queue_wait``). Without
+that wait the demo's TTFT p90 was 18-51 % under-predicted in a validation run
+(docs/planning.md, round 24): its lone requests were predicted within 0.5-1.2 ms, the ones
+beside another stream 2-4 ms early; with a whole slice, its 1P1D TTFT was 30-49 % over
+(round 37).
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ _SLICE_FILES = (
 
 
 def scheduler_slice(cpus: int | None = None, files: Sequence[str] = _SLICE_FILES) -> float:
-    """Seconds a thread woken onto busy cores waits for one (``ServingCost.run_queue_wait``):
-    the kernel's time slice, read from debugfs where it is mounted and readable, else the
-    kernel's default for this many online CPUs."""
+    """The most a thread woken onto busy cores waits for one (``ServingCost.run_queue_wait`` is
+    half of it): the kernel's time slice, read from debugfs where it is mounted and readable,
+    else the kernel's default for this many online CPUs."""
     for name in files:
         try:
             with open(name) as f:
