@@ -60,7 +60,7 @@ def test_quick_profile_of_the_demo_model(tmp_path: Path) -> None:
     # Its batched phases ran: eight streams at once wake the router's loop for fewer of their
     # tokens than one stream does (measured 0.4-0.7 of a lone token's cost on the demo).
     assert 0 < profile.serving.router_wake_share <= 1
-    assert 0 < profile.serving.run_queue_wait <= 0.01  # this host's scheduler slice
+    assert 0 < profile.serving.run_queue_wait <= 0.005  # half this host's scheduler slice
     # The router's CPU for a P/D hand-off is recorded: 0.9-1.3 ms in full profiles of the demo,
     # but a quick profile's few 1P1D requests can measure it below the colocated figure (then
     # 0, as a CI run did); the formula is held exactly in tests/planner/test_calibrate.py.
