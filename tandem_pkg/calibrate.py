@@ -63,7 +63,7 @@ from tandem.engine.sim.profile import Profile, ServingCost
 from tandem.stream_client import send_batches, stream_times
 from tandem.up import worker_port
 from tandem.up_config import ROUTER
-from tandem.wake_shares import BATCH, scheduler_slice, wake_share
+from tandem.wake_shares import BATCH, mean_run_queue_wait, wake_share
 
 ISL, OSL = 32, 32
 # Per phase, split between the segments: CPU time to split per request and per token, and the
@@ -385,10 +385,7 @@ def serving_cost(
         router_wake_share=round(router_wake, 3),
         client_wake_share=round(client_wake, 3),
         row_wake_share=round(row_wake, 3),
-        # A woken thread lands at a random point of the running one's slice: half a slice on
-        # average (a whole slice over-predicted the demo's 1P1D TTFT by 30-49 %, planning.md
-        # round 37).
-        run_queue_wait=round(scheduler_slice() / 2, 6),
+        run_queue_wait=mean_run_queue_wait(),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
         pace_seconds=round(

@@ -49,8 +49,8 @@ _SLICE_FILES = (
 
 
 def scheduler_slice(cpus: int | None = None, files: Sequence[str] = _SLICE_FILES) -> float:
-    """The most a thread woken onto busy cores waits for one (``ServingCost.run_queue_wait`` is
-    half of it): the kernel's time slice, read from debugfs where it is mounted and readable,
+    """The most a thread woken onto busy cores waits for one (``mean_run_queue_wait`` is half
+    of it): the kernel's time slice, read from debugfs where it is mounted and readable,
     else the kernel's default for this many online CPUs."""
     for name in files:
         try:
@@ -60,3 +60,11 @@ def scheduler_slice(cpus: int | None = None, files: Sequence[str] = _SLICE_FILES
             continue
     n = max(1, min(cpus or os.cpu_count() or 1, 8))
     return 0.00075 * (1 + n.bit_length() - 1)
+
+
+def mean_run_queue_wait(cpus: int | None = None, files: Sequence[str] = _SLICE_FILES) -> float:
+    """What a thread woken onto busy cores waits for one on average (``ServingCost.
+    run_queue_wait``, recorded by ``tandem profile``): half the kernel's slice, since it lands
+    at a random point of the running thread's slice. A whole slice over-predicted the demo's
+    1P1D TTFT by 30-49 % (docs/planning.md, round 37)."""
+    return round(scheduler_slice(cpus, files) / 2, 6)

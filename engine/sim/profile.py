@@ -131,8 +131,9 @@ class ServingCost:
     row_wake_share: float = 0.0
     # A thread that wakes while every shared core is busy waits this long for one: the kernel
     # scheduler lets the running thread finish its time slice first (processor sharing alone
-    # spreads that wait thin). ``tandem profile`` records half this host's slice (the mean
-    # rest of a slice the woken thread lands in); 0: not modelled.
+    # spreads that wait thin). ``tandem profile`` records ``wake_shares.mean_run_queue_wait()``,
+    # half this host's slice (the mean rest of a slice the woken thread lands in); 0: not
+    # modelled.
     run_queue_wait: float = 0.0
     # Variability, measured with one request at a time (empty: none, every latency its value
     # above): ``request_spread``, quantiles of the first token's serving latency (what

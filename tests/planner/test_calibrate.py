@@ -21,7 +21,7 @@ from tandem.calibrate import (
     serving_cost,
     steady_quantiles,
 )
-from tandem.wake_shares import BATCH, scheduler_slice, wake_share
+from tandem.wake_shares import BATCH, mean_run_queue_wait, scheduler_slice, wake_share
 
 
 def test_quantiles_are_evenly_spaced_order_statistics() -> None:
@@ -109,7 +109,7 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
     # A woken thread's wait for a core: half this host's slice (the mean rest of the slice it
     # lands in; docs/planning.md, round 38).
-    assert cost.run_queue_wait == round(scheduler_slice() / 2, 6) > 0
+    assert cost.run_queue_wait == mean_run_queue_wait() == round(scheduler_slice() / 2, 6) > 0
 
 
 def test_wake_share_is_what_batching_saves_per_item_scaled_to_one_wake_up_per_batch() -> None:
@@ -132,6 +132,10 @@ def test_scheduler_slice_reads_the_kernel_or_takes_its_default(tmp_path: Path) -
     missing = str(tmp_path / "missing")
     assert scheduler_slice(2, files=(missing, str(garbled), str(tuned))) == 0.003
     assert scheduler_slice(2, files=(missing, str(garbled))) == 0.0015
+    # The mean wait of a thread woken onto busy cores is half the slice it lands in.
+    assert mean_run_queue_wait(2, files=(str(tuned),)) == 0.0015
+    assert mean_run_queue_wait(8, files=()) == 0.0015
+    assert mean_run_queue_wait(1, files=()) == 0.000375
 
 
 def test_serving_cost_derives_each_threads_wake_share_from_the_batched_phases() -> None:
