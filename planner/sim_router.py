@@ -113,8 +113,9 @@ class SimRouter:
         share: CoreShare | None = None,
         client_loop: bool = False,
     ) -> None:
-        """``seed``: draw each request's serving latency from ``serving.request_spread``
-        (seeded); None: every request gets ``serving.request_seconds``. ``share``: the cores
+        """``seed``: draw each request's serving latency from ``serving.request_spread`` and
+        each P/D hand-off's from ``serving.handoff_spread`` (seeded); None: every request gets
+        ``serving.request_seconds`` and ``serving.handoff_seconds``. ``share``: the cores
         the loops share with the workers (their bursts are reported to it; the simulator
         registers ``busy_loops`` with it). ``client_loop``: the load generator runs on those
         cores too; ``client`` then queues its CPU per request and per token
@@ -147,6 +148,9 @@ class SimRouter:
         self._arrivals = 0
         self._spread = serving.request_spread if seed is not None else ()
         self._rng = random.Random(seed)
+        # Its own stream: a profile without the hand-off's spread draws the requests' as before.
+        self._handoff_spread = serving.handoff_spread if seed is not None else ()
+        self._handoff_rng = random.Random(None if seed is None else seed + 1)
 
     @property
     def busy_loops(self) -> list[RouterLoop]:
@@ -260,12 +264,15 @@ class SimRouter:
             self._send(d, dreq, rid)
 
         sv = self.serving
+        handoff = sv.handoff_seconds
+        if self._handoff_spread:  # the hand-off's measured gap, drawn on its own stream
+            handoff = self._handoff_rng.choice(self._handoff_spread)
         if sv.router_handoff_cpu <= 0.0:  # not measured: a plain delay, as before the figure
-            self.loop.after(sv.handoff_seconds, admit)
+            self.loop.after(handoff, admit)
             return
         # The router's part of the hand-off runs on the request's loop (queued behind its
-        # other work there); a lone one still takes handoff_seconds, which holds it.
-        self._loop_of[rid].serve(sv.router_handoff_cpu, sv.handoff_seconds, admit)
+        # other work there); a lone one still takes the hand-off's latency, which holds it.
+        self._loop_of[rid].serve(sv.router_handoff_cpu, handoff, admit)
 
     def _on_output(self, worker: SimWorker, req: Request, new_token: bool, finished: bool) -> None:
         rid = self._owner.get(req.request_id)

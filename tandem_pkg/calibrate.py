@@ -26,7 +26,8 @@ the steps themselves. Measured, with the profile's step model subtracted:
   each request over the median is ``pace_spread``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull and one decode step, is ``handoff_seconds`` (the connector wakes the idle
-  decode engine as the pull ends).
+  decode engine as the pull ends), its lower quartile, and ``handoff_spread``, its quantiles
+  (a served pull took 2-3x the transfer stage's, with a tail: docs/planning.md, round 39).
 
 The hand-off is a lower quartile over the requests, as the step times are
 (``engine/sim/profiler.py``): other work on the machine only ever adds to a latency. The first
@@ -365,6 +366,7 @@ def serving_cost(
     handoff_gap = _median_of(gaps, _low) if any(gaps) else 0.0
     # The pull, then (the connector wakes the idle engine) decode's first step.
     predicted = pull + step.step_seconds([(1, ISL)]) + step_overhead
+    beyond = [[max(0.0, g - predicted) for g in part] for part in gaps]
     # Each request's ITL over its own segment's median: the pace within a stretch.
     medians = [(part, _median(part)) for part in itls if part]
     paces = [[v / m for v in part] for part, m in medians if m]
@@ -388,6 +390,7 @@ def serving_cost(
         run_queue_wait=mean_run_queue_wait(),
         request_spread=segment_quantiles(served),
         pace_spread=segment_quantiles(paces) if paces else (),
+        handoff_spread=segment_quantiles(beyond) if any(beyond) else (),
         pace_seconds=round(
             _median_of([[t[-1] - t[0] for t in part] for part in alone], _median), 6
         ),

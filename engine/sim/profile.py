@@ -139,10 +139,13 @@ class ServingCost:
     # above): ``request_spread``, quantiles of the first token's serving latency (what
     # ``request_seconds + token_seconds`` is the median of); ``pace_spread``, quantiles of a
     # lone request's ITL over the median ITL, how the machine's pace varies over windows of
-    # ``pace_seconds`` (the decode time of one such request). The simulator draws from them.
+    # ``pace_seconds`` (the decode time of one such request); ``handoff_spread``, quantiles of
+    # the P/D hand-off's gap beyond the predicted pull and decode step (what
+    # ``handoff_seconds`` is the lower quartile of). The simulator draws from them.
     request_spread: tuple[float, ...] = ()
     pace_spread: tuple[float, ...] = ()
     pace_seconds: float = 0.0
+    handoff_spread: tuple[float, ...] = ()
 
     def request_cpu(self, role: Role) -> float:
         """A worker of ``role``'s CPU per request sent to it, which the simulator's workers take
@@ -236,7 +239,7 @@ class Profile:
                 "client_wake_share": s.client_wake_share, "row_wake_share": s.row_wake_share,
                 "run_queue_wait": s.run_queue_wait,
                 "request_spread": list(s.request_spread), "pace_spread": list(s.pace_spread),
-                "pace_seconds": s.pace_seconds,
+                "pace_seconds": s.pace_seconds, "handoff_spread": list(s.handoff_spread),
             },
         }  # fmt: skip
 
@@ -417,7 +420,7 @@ def profile_from_dict(data: Any) -> Profile:
         },
         **{
             k: tuple(_seconds(v, f"serving.{k}") for v in _list(sv.get(k, []), f"serving.{k}"))
-            for k in ("request_spread", "pace_spread")
+            for k in ("request_spread", "pace_spread", "handoff_spread")
         },
     )
     fit = st.get("fit") or {}

@@ -74,7 +74,8 @@ def test_transfer_cost_names_the_missing_transport() -> None:
 
 def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     profile = synthetic_profile(execute=(0.002, 1e-5, 3e-5, 0, 1e-9, 1e-9, 2e-8), num_blocks=99)
-    serving = replace(profile.serving, run_queue_wait=0.0015, router_handoff_cpu=0.0012)
+    serving = replace(profile.serving, run_queue_wait=0.0015, router_handoff_cpu=0.0012,
+                      handoff_spread=(0.001, 0.002, 0.004))  # fmt: skip
     profile = replace(profile, serving=serving)
     path = tmp_path / "p.json"
     profile.save(path)
@@ -103,6 +104,8 @@ def _raw() -> dict:
         (lambda d: d["serving"].update(row_wake_share=1.5), r"serving.row_wake_share .*\[0, 1\]"),
         (lambda d: d["serving"].update(run_queue_wait=-0.001), "serving.run_queue_wait"),
         (lambda d: d["serving"].update(router_handoff_cpu=-1e-4), "serving.router_handoff_cpu"),
+        (lambda d: d["serving"].update(handoff_spread=[0.001, -1]), r"serving.handoff_spread"),
+        (lambda d: d["serving"].update(handoff_spread=0.001), r"serving.handoff_spread"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(mutate, message: str) -> None:  # noqa: ANN001

@@ -107,6 +107,8 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     assert cost.token_seconds == pytest.approx(served - request, abs=1e-6)
     # The hand-off is each segment's lower quartile; here all the same, so as one segment's.
     assert cost.handoff_seconds == serving_cost(profile, [usual], "tcp").handoff_seconds > 0
+    # Its quantiles, per segment then their median: every gap the same here.
+    assert cost.handoff_spread == pytest.approx((cost.handoff_seconds,) * 10)
     # A woken thread's wait for a core: half this host's slice (the mean rest of the slice it
     # lands in; docs/planning.md, round 38).
     assert cost.run_queue_wait == mean_run_queue_wait() == round(scheduler_slice() / 2, 6) > 0

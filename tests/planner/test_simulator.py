@@ -4,6 +4,7 @@ placement and KV accounting after every run."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from sim_profiles import synthetic_profile
@@ -102,6 +103,39 @@ def test_a_handoff_takes_the_routers_loop_after_the_first_token() -> None:
     (loop,) = within.router.loops
     (loop0,) = old.router.loops
     assert loop.busy_seconds - loop0.busy_seconds == pytest.approx(0.002)
+
+
+def test_a_handoff_draws_its_latency_from_the_measured_spread() -> None:
+    """With variability, each hand-off takes a draw from ``handoff_spread`` (the profile's
+    quantiles of the measured gap) in place of ``handoff_seconds``, on a stream of its own."""
+
+    def last_token(serving: ServingCost, variability: bool = True) -> float:
+        profile = synthetic_profile(execute=(0.01, 1e-4, 0, 0, 0, 0, 0),
+                                    transfer=(0.001, 1e-9), serving=serving)  # fmt: skip
+        sim = run_simulation(profile, one_request(32, 3), Deployment(1, 1),
+                             SimOptions(seed=3, variability=variability))  # fmt: skip
+        assert_pools_clean(sim)
+        (t,) = sim.result.traces
+        return t.last_token
+
+    base = last_token(SERVING)
+    # One quantile: every hand-off takes it, 6 ms where handoff_seconds says 3, or 1 ms.
+    assert last_token(replace(SERVING, handoff_spread=(0.006,))) == pytest.approx(base + 0.003)
+    assert last_token(replace(SERVING, handoff_spread=(0.001,))) == pytest.approx(base - 0.002)
+    # Without variability the spread is not drawn.
+    assert last_token(replace(SERVING, handoff_spread=(0.006,)), variability=False) == base
+    # The requests' own draws do not move when a hand-off spread is added.
+    w = Workload(rate=40, isl=Lengths(32), osl=Lengths(4), num_requests=60)
+    drawn = replace(SERVING, request_spread=(0.002, 0.004, 0.009))
+
+    def times(serving: ServingCost) -> list[tuple[float | None, float | None]]:
+        prof = replace(PROFILE, serving=serving)
+        traces = simulate(prof, w, Deployment(1, 1), SimOptions(seed=5)).traces
+        return [(t.ttft, t.last_token) for t in traces]
+
+    with_spread = replace(drawn, handoff_spread=(0.003,))  # the same 3 ms: only the stream differs
+    assert times(with_spread) == times(drawn)
+    assert len({ttft for ttft, _ in times(drawn)}) > 1
 
 
 def test_the_simulator_is_deterministic_for_a_seed() -> None:
