@@ -47,6 +47,13 @@ class Row:
     # diagnostic, not the check. What it leaves is the model's error, not the host's pace.
     paced_ttft_rounds: tuple[float, ...] = ()
     paced_itl_rounds: tuple[float, ...] = ()
+    # 1P1D only, each round's p90 of the decode worker's first token (arrival there, through
+    # the pull, to its first step's token): measured from its histogram, and by the simulated
+    # worker. The simulated hand-off (``ServingCost.handoff_seconds`` or a draw from
+    # ``handoff_spread``) comes before the simulated worker's arrival, while most of the real
+    # one is inside the real worker's pull: compare the two with it added.
+    decode_ttft_rounds: tuple[float, ...] = ()
+    predicted_decode_ttft_rounds: tuple[float, ...] = ()
 
     @property
     def ttft_error(self) -> float:

@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from math import nan
 from pathlib import Path
 
 from benchlib.metrics import histogram_quantile, scrape, total
@@ -190,7 +191,12 @@ def up_args(model: str, p: int, d: int, threads: int, simulate: Path | None = No
 
 def _front_metrics(up: LocalUp, p: int) -> str:
     """The metrics URL of the front worker (``front_role``)."""
-    return next(w["url"] for w in up.workers() if w["role"] == front_role(p)) + "/metrics"
+    return _role_metrics(up, front_role(p))
+
+
+def _role_metrics(up: LocalUp, role: str) -> str:
+    """The metrics URL of the (first) worker of ``role``."""
+    return next(w["url"] for w in up.workers() if w["role"] == role) + "/metrics"
 
 
 def run_model(model: str, name: str, profile_path: Path, out: Path, duration: float,
@@ -222,11 +228,13 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             w = case_workload(rate, isl, osl, n)
             for dname, (p, d) in DEPLOYMENTS.items():
                 cases.append((wname, lname, rate, dname, p, d, w))
-    # Per case, each round's (TTFT, ITL, failed, CPU per request, front worker's TTFT, busy).
-    measured: dict[int, list[tuple[float, float, int, float, float, float]]] = {
+    # Per case, each round's (TTFT, ITL, failed, CPU per request, front worker's TTFT, busy,
+    # decode worker's TTFT or nan).
+    measured: dict[int, list[tuple[float, float, int, float, float, float, float]]] = {
         i: [] for i in range(len(cases))
     }
-    # ... and (TTFT, ITL, front worker's TTFT, step seconds, paced TTFT, paced ITL).
+    # ... and (TTFT, ITL, front worker's TTFT, step seconds, paced TTFT, paced ITL, decode
+    # worker's TTFT or nan).
     predicted: dict[int, list[tuple[float, ...]]] = {i: [] for i in range(len(cases))}
     round_profile = profile_path
     for rnd in range(repeats):
@@ -246,25 +254,32 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             with LocalUp(args, p + d, logs) as up:
                 replay(up.url, model, warm)  # tandem up serves --model under that name
                 front = _front_metrics(up, p)
+                back = _role_metrics(up, "decode") if p else None
                 hist0, before, own = scrape(front), children_cpu(up.proc.pid), time.process_time()
+                back0 = scrape(back) if back else {}
                 busy = _busy(up)
                 got: list[Measured] = replay(up.url, model, reqs)
                 after, own = children_cpu(up.proc.pid), time.process_time() - own
                 busy = _busy(up) - busy
                 worker_ttft = histogram_quantile(0.9, hist0, scrape(front), WORKER_TTFT)
+                back_ttft = (
+                    histogram_quantile(0.9, back0, scrape(back), WORKER_TTFT) if back else nan
+                )
             ok = [m for m in got if m.error is None]
             ttft = _p90([m.ttft for m in ok if m.ttft is not None])
             itl = _p90([m.itl for m in ok if m.itl is not None])
             cpu = (sum(after.values()) - sum(before.values()) + own) / len(reqs)
-            measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft, busy))
+            measured[i].append((ttft, itl, len(got) - len(ok), cpu, worker_ttft, busy, back_ttft))
             sim = _simulate(case_profile, w, p, d, cores, simulated)
             front_pool = sim.pools[front_role(p)]
             # The diagnostic: the same prediction with the steps at the pace the workers ran.
             steps = engine_seconds(sim)
             pace = busy / steps
             paced = _simulate(case_profile, w, p, d, cores, simulated, pace)
+            back_pool = sim.pools.get("decode") if p else None
             predicted[i].append((sim.ttft.p90, sim.itl.p90, front_pool.first_token.p90,
-                                 steps, paced.ttft.p90, paced.itl.p90))  # fmt: skip
+                                 steps, paced.ttft.p90, paced.itl.p90,
+                                 back_pool.first_token.p90 if back_pool else nan))  # fmt: skip
             pt, pi = predicted[i][-1][:2]
             print(f"round {rnd + 1}/{repeats} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
                   f"TTFT p90 {ttft:.3f} s (predicted {pt:.3f}), ITL p90 {itl * 1e3:.2f} ms "
@@ -289,6 +304,8 @@ def run_model(model: str, name: str, profile_path: Path, out: Path, duration: fl
             predicted_busy_rounds=tuple(m[3] for m in predicted[i]),
             paced_ttft_rounds=tuple(m[4] for m in predicted[i]),
             paced_itl_rounds=tuple(m[5] for m in predicted[i]),
+            decode_ttft_rounds=tuple(m[6] for m in measured[i]) if _p else (),
+            predicted_decode_ttft_rounds=tuple(m[6] for m in predicted[i]) if _p else (),
         )  # fmt: skip
         rows.append(row)
         print(f"{row.model:>10} {wname:>13} {lname:>8} {rate:7.3f}/s {dname:>9}: "
