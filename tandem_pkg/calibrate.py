@@ -27,7 +27,7 @@ the steps themselves. Measured, with the profile's step model subtracted:
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull and one decode step, is ``handoff_seconds`` (the connector wakes the idle
   decode engine as the pull ends), its lower quartile, and ``handoff_spread``, its quantiles
-  (a served pull took 2-3x the transfer stage's, with a tail: docs/planning.md, round 39).
+  (a served pull took 1.5-3x the transfer stage's, with a tail: docs/planning.md, round 39).
 
 The hand-off is a lower quartile over the requests, as the step times are
 (``engine/sim/profiler.py``): other work on the machine only ever adds to a latency. The first
