@@ -185,6 +185,31 @@ def test_serving_cost_charges_the_router_its_pd_cpu_over_the_colocated_figure() 
     assert cost({"prefill": 0.006, "decode": 0.07}) == 0.0  # not measured
 
 
+def test_the_handoff_is_the_gaps_lower_quartile_and_its_spread_their_quantiles() -> None:
+    profile = synthetic_profile(execute=(0.002, 1e-5, 0.0, 0, 0.0, 0.0, 0.0))
+    cpu_long = {"router": 0.003 + 31 * 0.0002, "colocated": 0.00332 + 31 * 0.00231}
+    cpu_short = {"router": 0.003, "colocated": 0.00332}
+    # Seven 1P1D answers (too few to split in parts: plain quantiles) whose second chunk
+    # (decode's first token) follows the prefill's by 4, 5, ..., 10 ms, sent in that order.
+    pd = tuple(tuple(0.02 + (i > 0) * (0.004 + k * 0.001) + max(0, i - 1) * 0.002
+                     for i in range(OSL)) for k in range(7))  # fmt: skip
+    sample = ServingSample(alone=_answers(0.01, 0.0025, 10), pd=pd, cpu_long=cpu_long,
+                           cpu_short=cpu_short, cpu_pd={})  # fmt: skip
+    cost = serving_cost(profile, [sample], "tcp")
+    # What the profile predicts of a gap (the pull and decode's first step) is what the lower
+    # quartile (the 2nd of 7 gaps, 5 ms) is beyond it; every quantile is beyond it alike.
+    predicted = 0.005 - cost.handoff_seconds
+    assert 0 < predicted < 0.004
+    gaps = [0.004 + k * 0.001 - predicted for k in range(7)]
+    assert cost.handoff_spread == pytest.approx(quantiles(gaps), abs=2e-6)
+    assert cost.handoff_spread[0] == pytest.approx(0.004 - predicted, abs=2e-6)
+    assert cost.handoff_spread[-1] == pytest.approx(0.010 - predicted, abs=2e-6)
+    # A gap shorter than the prediction counts as none beyond it, never below.
+    quick = ((0.02, 0.02 + predicted / 2) + (0.03,) * (OSL - 2),) * 7
+    fast = serving_cost(profile, [replace(sample, pd=quick)], "tcp")
+    assert (fast.handoff_seconds, fast.handoff_spread) == (0.0, (0.0,) * 10)
+
+
 def test_serving_cost_of_no_complete_answers_is_refused() -> None:
     empty = ServingSample(alone=((0.01,),), pd=(), cpu_long={}, cpu_short={}, cpu_pd={})
     with pytest.raises(ValueError, match="no complete answers"):
