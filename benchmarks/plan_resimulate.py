@@ -11,6 +11,11 @@ prints the table with the counts ``plan_validation.py`` prints. The requests are
 
     python benchmarks/plan_resimulate.py /tmp/planval            # every model of the run
     python benchmarks/plan_resimulate.py /tmp/planval --cores 2  # the cores the run shared
+    python benchmarks/plan_resimulate.py /tmp/planval --cores 2 --pace-stretches  # round 40
+
+``--pace-stretches`` (an experiment, docs/planning.md round 40): each round's prediction is
+the p90 over the requests of ten simulations, the steps scaled by the deciles of the pace the
+profile's own grid saw pass by pass (:func:`stretch_paces`), instead of one at the profile's.
 """
 
 from __future__ import annotations
@@ -33,7 +38,48 @@ from plan_validation import (
 )
 
 from tandem.engine.cpu_threads import available_cpus
-from tandem.engine.sim.profile import load_profile
+from tandem.engine.sim.profile import Profile, load_profile
+from tandem.planner.metrics import percentile
+from tandem.planner.simulator import Deployment, SimOptions, simulate
+from tandem.planner.workload import Workload
+
+PASSES = 3  # tandem profile's passes over the step grid (a point's samples, pass by pass)
+
+
+def stretch_paces(profile: Profile, passes: int = PASSES) -> tuple[float, ...]:
+    """The deciles of the machine's pace as the profile's step grid saw it: for every point
+    and pass, the median of that pass's samples over the point's time (their lower quartile),
+    divided by the median of all of them (the serving costs were measured at that pace). A pass
+    over one point lasts about a second, and the pace holds for seconds: a prefill or a whole
+    request runs at one of these, where the simulator's own pace windows last one request's
+    decode. Points whose samples do not split into ``passes`` equal parts are skipped."""
+    ratios = []
+    for pt in profile.step_points:
+        n, rest = divmod(len(pt.samples), passes)
+        if n < 2 or rest:
+            continue
+        ratios += [statistics.median(pt.samples[k * n:(k + 1) * n]) / pt.execute_seconds
+                   for k in range(passes)]  # fmt: skip
+    if not ratios:
+        return (1.0,)
+    ratios.sort()
+    mid = statistics.median(ratios)
+    return tuple(ratios[int((i + 0.5) / 10 * len(ratios))] / mid for i in range(10))
+
+
+def stretched_p90s(path: Path, w: Workload, p: int, d: int, cores: int) -> tuple[float, float]:
+    """(TTFT p90, ITL p90) over the requests of one simulation per :func:`stretch_paces`
+    decile, the steps scaled by it (as plan_validation's ``_simulate`` runs a real case)."""
+    profile = load_profile(path)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    for pace in stretch_paces(profile):
+        scaled = replace(profile, step=profile.step.scaled(pace))
+        options = SimOptions(seed=0, shared_cores=cores, client_shares_cores=True)
+        res = simulate(scaled, w, Deployment(prefill=p, decode=d, kv_transport="tcp"), options)
+        ttfts += [t.ttft for t in res.traces if t.ttft is not None]
+        itls += [t.itl for t in res.traces if t.itl is not None]
+    return percentile(sorted(ttfts), 0.9), percentile(sorted(itls), 0.9)
 
 
 def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
@@ -49,10 +95,12 @@ def _case_profile(run: Path, row: Row, rnd: int) -> Path | None:
     return own if own.exists() else None
 
 
-def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
+def resimulate(run: Path, cores: int, per_case: bool = True,
+               stretches: bool = False) -> list[Row]:  # fmt: skip
     """Every row of ``run``'s results, its predictions made again from the run's profiles: a
     case's own (its serving costs measured just before it, ``--serving-per-case``) where the
-    run saved one and ``per_case``, else its round's."""
+    run saved one and ``per_case``, else its round's. ``stretches``: the TTFT and ITL p90s
+    are :func:`stretched_p90s` (the rest as without)."""
     rows = []
     for r in json.loads((run / "results.json").read_text()):
         row = row_from_json(r)
@@ -64,6 +112,9 @@ def resimulate(run: Path, cores: int, per_case: bool = True) -> list[Row]:
             paths = [_case_profile(run, row, rnd) or path for rnd, path in enumerate(paths)]
         sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
+        if stretches:
+            t, i = (tuple(v) for v in zip(*(stretched_p90s(path, w, p, d, cores)
+                                            for path in paths), strict=True))  # fmt: skip
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
         # The steps' pace of each round, against this simulator's steps (an older run: none).
@@ -95,8 +146,14 @@ def main() -> None:
         action="store_true",
         help="predict from the run's profiles even where a case saved its own",
     )
+    ap.add_argument(
+        "--pace-stretches",
+        action="store_true",
+        help="each round's p90s over ten simulations at the profile's pass-by-pass paces",
+    )
     args = ap.parse_args()
-    print(table(resimulate(args.run, args.cores, per_case=not args.run_profiles)))
+    rows = resimulate(args.run, args.cores, not args.run_profiles, args.pace_stretches)
+    print(table(rows))
 
 
 if __name__ == "__main__":

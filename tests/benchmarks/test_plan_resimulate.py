@@ -1,13 +1,15 @@
 """plan_resimulate: a saved validation run's predictions made again from its own profiles."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from plan_resimulate import resimulate
+from plan_resimulate import resimulate, stretch_paces, stretched_p90s
 from plan_validation import _simulate, case_dir, engine_seconds
-from sim_profiles import write_profile
+from sim_profiles import synthetic_profile, write_profile
 
+from tandem.engine.sim.profile import StepPoint
 from tandem.planner.workload import Arrival, Lengths, Workload
 
 # workloads(256)["chat"]: 64 prompt tokens, 32 out.
@@ -106,3 +108,43 @@ def test_a_run_that_measured_its_steps_is_predicted_again_at_their_pace(tmp_path
     (tmp_path / "older").mkdir()
     (older,) = resimulate(_run(tmp_path / "older", 2, later_profiles=True), cores=2)
     assert older.pace_rounds == () and older.paced_itl_rounds == ()
+
+
+def _point(execute: float, samples: list[float]) -> StepPoint:
+    return StepPoint("p", ((1, 0, 1),), execute, 0.0, tuple(samples))
+
+
+def test_the_stretch_paces_are_the_deciles_of_each_pass_median_over_their_median() -> None:
+    # Two points, three passes of two samples each: pass medians 1.5, 1, 2 ms over 1 ms and
+    # 4, 4, 6 ms over 2 ms, so ratios 1.5, 1, 2, 2, 2, 3; their median is 2.
+    a = _point(0.001, [0.001, 0.002, 0.001, 0.001, 0.002, 0.002])
+    b = _point(0.002, [0.004, 0.004, 0.004, 0.004, 0.006, 0.006])
+    # A point whose samples do not split into three passes is left out.
+    odd = _point(0.001, [0.009] * 7)
+    profile = replace(synthetic_profile(), step_points=(a, b, odd))
+    got = stretch_paces(profile)
+    assert got == pytest.approx((0.5, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.5))
+    # No usable point (an older or hand-made profile): the profile's own pace alone.
+    assert stretch_paces(synthetic_profile()) == (1.0,)
+
+
+def test_a_profile_without_points_gives_the_plain_prediction(tmp_path: Path) -> None:
+    path = write_profile(tmp_path / "p.json")
+    plain = _simulate(path, CHAT, 1, 1, 2, simulated=False)
+    assert stretched_p90s(path, CHAT, 1, 1, 2) == (plain.ttft.p90, plain.itl.p90)
+
+
+def test_stretched_rounds_replace_the_predicted_p90s(tmp_path: Path) -> None:
+    run = _run(tmp_path, 2, later_profiles=True)
+    slow = _point(0.002, [0.002, 0.002, 0.002, 0.002, 0.006, 0.006])
+    for name in ("profile-demo.json", "profile-demo-round2.json"):
+        prof = synthetic_profile(execute=(0.002 * (1 + name.count("round")), 1e-5, 0, 0, 0, 0, 0))
+        replace(prof, step_points=(slow,)).save(run / name)
+    (row,) = resimulate(run, cores=2, stretches=True)
+    want = [stretched_p90s(run / n, CHAT, 1, 1, 2)
+            for n in ("profile-demo.json", "profile-demo-round2.json")]  # fmt: skip
+    assert row.predicted_ttft_rounds == tuple(t for t, _ in want)
+    assert row.predicted_itl_rounds == tuple(i for _, i in want)
+    # One pass at 3x the others: the pooled tail is slower than the plain prediction.
+    (plain,) = resimulate(run, cores=2)
+    assert row.predicted_itl_rounds[0] > plain.predicted_itl_rounds[0]
