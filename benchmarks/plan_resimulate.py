@@ -40,7 +40,6 @@ from plan_validation import (
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import percentile
-from tandem.planner.simulator import Deployment, SimOptions, simulate
 from tandem.planner.workload import Workload
 
 PASSES = 3  # tandem profile's passes over the step grid (a point's samples, pass by pass)
@@ -50,7 +49,7 @@ def stretch_paces(profile: Profile, passes: int = PASSES) -> tuple[float, ...]:
     """The deciles of the machine's pace as the profile's step grid saw it: for every point
     and pass, the median of that pass's samples over the point's time (their lower quartile),
     divided by the median of all of them (the serving costs were measured at that pace). A pass
-    over one point lasts about a second, and the pace holds for seconds: a prefill or a whole
+    over one point lasts a second or more, and the pace holds for seconds: a prefill or a whole
     request runs at one of these, where the simulator's own pace windows last one request's
     decode. Points whose samples do not split into ``passes`` equal parts are skipped."""
     ratios = []
@@ -69,14 +68,11 @@ def stretch_paces(profile: Profile, passes: int = PASSES) -> tuple[float, ...]:
 
 def stretched_p90s(path: Path, w: Workload, p: int, d: int, cores: int) -> tuple[float, float]:
     """(TTFT p90, ITL p90) over the requests of one simulation per :func:`stretch_paces`
-    decile, the steps scaled by it (as plan_validation's ``_simulate`` runs a real case)."""
-    profile = load_profile(path)
+    decile, each as plan_validation.py predicts a case with the steps scaled by it."""
     ttfts: list[float] = []
     itls: list[float] = []
-    for pace in stretch_paces(profile):
-        scaled = replace(profile, step=profile.step.scaled(pace))
-        options = SimOptions(seed=0, shared_cores=cores, client_shares_cores=True)
-        res = simulate(scaled, w, Deployment(prefill=p, decode=d, kv_transport="tcp"), options)
+    for pace in stretch_paces(load_profile(path)):
+        res = _simulate(path, w, p, d, cores, simulated=False, pace=pace)
         ttfts += [t.ttft for t in res.traces if t.ttft is not None]
         itls += [t.itl for t in res.traces if t.itl is not None]
     return percentile(sorted(ttfts), 0.9), percentile(sorted(itls), 0.9)
