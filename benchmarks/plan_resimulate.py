@@ -37,9 +37,10 @@ from plan_validation import (
     workloads,
 )
 
+from tandem.calibrate import quantiles
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import Profile, load_profile
-from tandem.planner.metrics import percentile
+from tandem.planner.metrics import Percentiles
 from tandem.planner.workload import Workload
 
 PASSES = 3  # tandem profile's passes over the step grid (a point's samples, pass by pass)
@@ -61,9 +62,8 @@ def stretch_paces(profile: Profile, passes: int = PASSES) -> tuple[float, ...]:
                    for k in range(passes)]  # fmt: skip
     if not ratios:
         return (1.0,)
-    ratios.sort()
     mid = statistics.median(ratios)
-    return tuple(ratios[int((i + 0.5) / 10 * len(ratios))] / mid for i in range(10))
+    return tuple(q / mid for q in quantiles(ratios))
 
 
 def stretched_p90s(path: Path, w: Workload, p: int, d: int, cores: int) -> tuple[float, float]:
@@ -75,7 +75,7 @@ def stretched_p90s(path: Path, w: Workload, p: int, d: int, cores: int) -> tuple
         res = _simulate(path, w, p, d, cores, simulated=False, pace=pace)
         ttfts += [t.ttft for t in res.traces if t.ttft is not None]
         itls += [t.itl for t in res.traces if t.itl is not None]
-    return percentile(sorted(ttfts), 0.9), percentile(sorted(itls), 0.9)
+    return Percentiles.of(ttfts).p90, Percentiles.of(itls).p90
 
 
 def _profiles(run: Path, model: str, rounds: int) -> list[Path]:
@@ -109,8 +109,8 @@ def resimulate(run: Path, cores: int, per_case: bool = True,
         sims = [_simulate(path, w, p, d, cores, simulated=False) for path in paths]
         t, i = tuple(x.ttft.p90 for x in sims), tuple(x.itl.p90 for x in sims)
         if stretches:
-            t, i = (tuple(v) for v in zip(*(stretched_p90s(path, w, p, d, cores)
-                                            for path in paths), strict=True))  # fmt: skip
+            pooled = [stretched_p90s(path, w, p, d, cores) for path in paths]
+            t, i = tuple(x for x, _ in pooled), tuple(y for _, y in pooled)
         worker = tuple(x.pools[front_role(p)].first_token.p90 for x in sims)
         worker = worker if row.worker_ttft_rounds else ()  # an older run measured none
         # The steps' pace of each round, against this simulator's steps (an older run: none).
