@@ -50,7 +50,7 @@ from tandem.child_command import tandem_argv
 from tandem.engine.cpu_threads import available_cpus, split_threads
 from tandem.engine.sim.profile import Profile, load_profile
 from tandem.planner.metrics import Percentiles, SimResult
-from tandem.planner.simulator import Deployment, SimOptions, simulate
+from tandem.planner.simulator import Deployment, SimOptions, Simulation, run_simulation, simulate
 from tandem.planner.workload import Arrival, Lengths, Workload, WorkloadRequest, generate
 
 DEPLOYMENTS = {"colocated": (0, 1), "1P1D": (1, 1)}
@@ -151,6 +151,12 @@ def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None
               simulated: bool, pace: float = 1.0) -> SimResult:  # fmt: skip
     """The simulator's run of ``w`` on ``p``P``d``D (its client view: ``ttft``, ``itl``); with
     ``pace``, every step that many times the profile's (``paced_rounds``)."""
+    return simulation(profile_path, w, p, d, cores, simulated, pace).result
+
+
+def simulation(profile_path: Path, w: Workload, p: int, d: int, cores: int | None,
+               simulated: bool, pace: float = 1.0) -> Simulation:  # fmt: skip
+    """``_simulate``'s run with its workers and router (their CPU, ``plan_cpu.py``)."""
     profile = load_profile(profile_path)
     if pace != 1.0:
         profile = replace(profile, step=profile.step.scaled(pace))
@@ -160,7 +166,7 @@ def _simulate(profile_path: Path, w: Workload, p: int, d: int, cores: int | None
     shared = None if simulated else cores
     options = SimOptions(seed=0, shared_cores=shared, variability=not simulated,
                          client_shares_cores=True)  # fmt: skip
-    return simulate(profile, w, dep, options)
+    return run_simulation(profile, w, dep, options)
 
 
 def engine_seconds(sim: SimResult) -> float:
