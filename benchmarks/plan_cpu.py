@@ -17,7 +17,6 @@ Round 41 of docs/planning.md used it on the demo's decode-heavy moderate 1P1D ca
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -25,22 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from plan_validation import (
-    DEPLOYMENTS,
-    case_requests,
-    case_workload,
-    model_path,
-    rates,
-    simulation,
-    up_args,
-    workloads,
-)
+from plan_trace import case_from_args, case_parser
+from plan_validation import simulation, up_args
 from replay_load import replay
 
 from tandem.calibrate import CLIENT, LocalUp, children_cpu
 from tandem.child_command import subcommand
-from tandem.engine.cpu_threads import available_cpus
-from tandem.engine.sim.profile import load_profile
 from tandem.planner.simulator import Simulation
 
 
@@ -148,42 +137,23 @@ def render(rows: list[CpuRow]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="demo, random-512 or a model directory")
-    ap.add_argument("--profile", required=True, help="the profile to predict from")
-    ap.add_argument("--workload", choices=["chat", "prefill-heavy", "decode-heavy"],
-                    required=True)  # fmt: skip
-    ap.add_argument("--load", choices=["light", "moderate"], default="light")
-    ap.add_argument("--rate", type=float, default=None, help="requests/s (default: --load's)")
-    ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS), default="colocated")
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of traffic")
-    ap.add_argument("--cores", type=int, default=available_cpus(),
-                    help="cores the workers share (the simulator's shared_cores)")  # fmt: skip
+    ap = case_parser(__doc__.split("\n\n")[0])
     args = ap.parse_args()
-    if args.duration <= 0 or (args.rate is not None and args.rate <= 0):
-        ap.error("--duration and --rate must be positive")
-    model = model_path(args.model)
-    profile_path = Path(args.profile)
-    profile = load_profile(profile_path)
-    isl, osl = workloads(profile.model.max_model_len)[args.workload]
-    rate = args.rate or rates(profile, isl, osl)[args.load]
-    w = case_workload(rate, isl, osl, max(20, round(rate * args.duration)))
-    reqs, warm = case_requests(w, profile)
-    p, d = DEPLOYMENTS[args.deployment]
+    c = case_from_args(ap, args)
     logs = Path(tempfile.mkdtemp(prefix="plan-cpu-"))
-    with LocalUp(up_args(model, p, d, profile.threads), p + d, logs) as up:
-        replay(up.url, model, warm)
+    with LocalUp(up_args(c.model, c.prefill, c.decode, c.threads), c.prefill + c.decode,
+                 logs) as up:  # fmt: skip
+        replay(up.url, c.model, c.warm)
         cpu0, sched0 = children_cpu(up.proc.pid), role_schedstats(up.proc.pid)
         own = time.process_time()
-        replay(up.url, model, reqs)
+        replay(up.url, c.model, c.requests)
         own = time.process_time() - own
         cpu1, sched1 = children_cpu(up.proc.pid), role_schedstats(up.proc.pid)
     measured = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1} | {CLIENT: own}
     sched = {k: v - sched0.get(k, SchedStat()) for k, v in sched1.items()}
-    sim = simulation(profile_path, w, p, d, args.cores, simulated=False)
-    print(f"{args.model} {args.workload} {rate:.3f}/s {args.deployment}, {len(reqs)} requests "
-          f"({isl} in, {osl} out), logs in {logs}")  # fmt: skip
-    print(render(compare(measured, sched, simulated_cpu(sim), len(reqs))))
+    sim = simulation(c.profile_path, c.workload, c.prefill, c.decode, c.cores, simulated=False)
+    print(f"{c.name}, logs in {logs}")
+    print(render(compare(measured, sched, simulated_cpu(sim), len(c.requests))))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from tandem.calibrate import LocalUp
 from tandem.engine.cpu_threads import available_cpus
 from tandem.engine.sim.profile import load_profile
 from tandem.planner.metrics import RequestTrace
+from tandem.planner.workload import Workload, WorkloadRequest
 
 OVER = 1.25  # a replayed request "over" the simulator: its ITL above this multiple of the sim's
 
@@ -111,8 +112,26 @@ def render(rows: Sequence[TraceRow], paces: Sequence[float]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One validation case from the command line: what ``plan_trace`` and ``plan_cpu`` replay
+    and simulate."""
+
+    name: str  # "demo decode-heavy 12.820/s 1P1D, 385 requests (32 in, 128 out)"
+    model: str
+    profile_path: Path
+    threads: int
+    workload: Workload
+    requests: list[WorkloadRequest]
+    warm: list[WorkloadRequest]
+    prefill: int
+    decode: int
+    cores: int
+
+
+def case_parser(description: str) -> argparse.ArgumentParser:
+    """The case's options (model, profile, workload, load or rate, deployment, duration)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True, help="demo, random-512 or a model directory")
     ap.add_argument("--profile", required=True, help="the profile to predict from")
     ap.add_argument("--workload", choices=["chat", "prefill-heavy", "decode-heavy"],
@@ -121,13 +140,15 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=None, help="requests/s (default: --load's)")
     ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS), default="colocated")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")
-    ap.add_argument("--repeats", type=int, default=1, help="replays, each on a fresh deployment")
     ap.add_argument("--cores", type=int, default=available_cpus(),
                     help="cores the workers share (the simulator's shared_cores)")  # fmt: skip
-    args = ap.parse_args()
-    if args.repeats < 1 or args.duration <= 0 or (args.rate is not None and args.rate <= 0):
-        ap.error("--repeats, --duration and --rate must be positive")
-    model = model_path(args.model)
+    return ap
+
+
+def case_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Case:
+    """The case ``case_parser``'s options name (its rate from the profile unless given)."""
+    if args.duration <= 0 or (args.rate is not None and args.rate <= 0):
+        ap.error("--duration and --rate must be positive")
     profile_path = Path(args.profile)
     profile = load_profile(profile_path)
     isl, osl = workloads(profile.model.max_model_len)[args.workload]
@@ -135,18 +156,31 @@ def main() -> None:
     w = case_workload(rate, isl, osl, max(20, round(rate * args.duration)))
     reqs, warm = case_requests(w, profile)
     p, d = DEPLOYMENTS[args.deployment]
-    sim = _simulate(profile_path, w, p, d, args.cores, simulated=False)
+    name = (f"{args.model} {args.workload} {rate:.3f}/s {args.deployment}, {len(reqs)} requests "
+            f"({isl} in, {osl} out)")  # fmt: skip
+    return Case(name, model_path(args.model), profile_path, profile.threads, w, reqs, warm, p, d,
+                args.cores)  # fmt: skip
+
+
+def main() -> None:
+    ap = case_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=1, help="replays, each on a fresh deployment")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be positive")
+    c = case_from_args(ap, args)
+    sim = _simulate(c.profile_path, c.workload, c.prefill, c.decode, c.cores, simulated=False)
     replays, paces = [], []
     logs = Path(tempfile.mkdtemp(prefix="plan-trace-"))
     for k in range(args.repeats):
         (logs / str(k)).mkdir()
-        with LocalUp(up_args(model, p, d, profile.threads), p + d, logs / str(k)) as up:
-            replay(up.url, model, warm)
+        args_up = up_args(c.model, c.prefill, c.decode, c.threads)
+        with LocalUp(args_up, c.prefill + c.decode, logs / str(k)) as up:
+            replay(up.url, c.model, c.warm)
             busy = _busy(up)
-            replays.append(replay(up.url, model, reqs))
+            replays.append(replay(up.url, c.model, c.requests))
             paces.append((_busy(up) - busy) / engine_seconds(sim))
-    print(f"{args.model} {args.workload} {rate:.3f}/s {args.deployment}, {len(reqs)} requests "
-          f"({isl} in, {osl} out), logs in {logs}")  # fmt: skip
+    print(f"{c.name}, logs in {logs}")
     print(render(join(sim.traces, replays), paces))
 
 
