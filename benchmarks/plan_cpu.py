@@ -28,8 +28,7 @@ from plan_trace import case_from_args, case_parser
 from plan_validation import simulation, up_args
 from replay_load import replay
 
-from tandem.calibrate import CLIENT, LocalUp, children_cpu
-from tandem.child_command import subcommand
+from tandem.calibrate import CLIENT, LocalUp, children_cpu, tandem_children
 from tandem.planner.simulator import Simulation
 
 
@@ -55,11 +54,11 @@ def parse_schedstat(text: str) -> SchedStat:
     return SchedStat(int(run) / 1e9, int(wait) / 1e9, int(slices))
 
 
-def _threads(pid: int) -> SchedStat:
+def _threads(proc: Path) -> SchedStat:
     total = SchedStat()
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for task in (proc / "task").iterdir():
         try:
-            total += parse_schedstat(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text())
+            total += parse_schedstat((task / "schedstat").read_text())
         except (OSError, ValueError):
             continue  # ended meanwhile
     return total
@@ -68,19 +67,12 @@ def _threads(pid: int) -> SchedStat:
 def role_schedstats(parent: int) -> dict[str, SchedStat]:
     """The live threads' ``schedstat`` of each child of ``parent`` (a `tandem up`), summed by
     its `tandem` subcommand, and this process's under ``CLIENT``."""
-    out = {CLIENT: _threads(os.getpid())}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    out = {CLIENT: _threads(Path(f"/proc/{os.getpid()}"))}
+    for name, entry in tandem_children(parent):
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            name = subcommand([a.decode(errors="replace")
-                               for a in (entry / "cmdline").read_bytes().split(b"\0")])  # fmt: skip
-            if name is not None:
-                out[name] = out.get(name, SchedStat()) + _threads(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
+            out[name] = out.get(name, SchedStat()) + _threads(entry)
+        except OSError:
+            continue  # gone meanwhile
     return out
 
 

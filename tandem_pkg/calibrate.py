@@ -140,10 +140,10 @@ def process_cpu(proc: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each child of ``pid`` (a `tandem up`), by its `tandem` subcommand
-    (``router``, ``colocated``, ...); {} where /proc cannot say."""
-    out: dict[str, float] = {}
+def tandem_children(pid: int) -> list[tuple[str, Path]]:
+    """Each child of ``pid`` (a `tandem up`) that runs a `tandem` subcommand: (the subcommand,
+    ``router``, ``colocated``, ..., and its /proc directory); [] where /proc cannot say."""
+    out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -151,12 +151,24 @@ def children_cpu(pid: int) -> dict[str, float]:
             if int(_stat(entry)[1]) != pid:
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            cpu = process_cpu(entry)
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not ours to read
         name = subcommand([a.decode(errors="replace") for a in argv])
         if name is not None:
-            out[name] = out.get(name, 0.0) + cpu
+            out.append((name, entry))
+    return out
+
+
+def children_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each child of ``pid`` (a `tandem up`), by its `tandem` subcommand
+    (``router``, ``colocated``, ...); {} where /proc cannot say."""
+    out: dict[str, float] = {}
+    for name, entry in tandem_children(pid):
+        try:
+            cpu = process_cpu(entry)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 

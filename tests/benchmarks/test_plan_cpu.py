@@ -4,7 +4,15 @@ CPU by process on a real simulation."""
 import os
 
 import pytest
-from plan_cpu import CpuRow, SchedStat, compare, parse_schedstat, render, simulated_cpu
+from plan_cpu import (
+    CpuRow,
+    SchedStat,
+    compare,
+    parse_schedstat,
+    render,
+    role_schedstats,
+    simulated_cpu,
+)
 from plan_validation import DEPLOYMENTS, simulation
 from sim_profiles import write_profile
 
@@ -31,6 +39,12 @@ def test_schedstats_add_and_subtract_fieldwise() -> None:
 def test_this_process_has_a_readable_schedstat() -> None:
     s = parse_schedstat(open(f"/proc/{os.getpid()}/schedstat").read())
     assert s.run > 0.0 and s.slices > 0
+
+
+def test_role_schedstats_sums_this_process_threads_as_the_client() -> None:
+    stats = role_schedstats(os.getpid())  # no `tandem` children: the client alone
+    assert set(stats) == {CLIENT}
+    assert stats[CLIENT].run > 0.0 and stats[CLIENT].slices > 0
 
 
 def test_compare_gives_every_process_per_request_figures() -> None:
