@@ -52,12 +52,18 @@ class RouterLoop:
     """One router process's event loop as a single FIFO server on the virtual clock.
 
     ``wake_share`` of each item's CPU (measured one request at a time, where every item finds
-    the loop asleep) is the loop waking for it: an item that arrives while the loop is busy
-    is picked up by the running iteration and costs only the rest. With several streams a
-    loop handles many ready sockets per wake-up, so its CPU per token falls (the serving
-    calibration measures both ends: ``ServingCost.router_wake_share``)."""
+    the loop asleep) is the loop's turn for it: waking, polling its sockets, dispatching. The
+    loop takes its items in turns: one that finds it asleep wakes it and begins a turn; one
+    that arrives while it is busy waits for the next turn, and the first to do so pays that
+    turn (a poll and dispatch, though no wake-up); the items that arrive before that turn
+    begins ride it and cost only the rest. With several streams whose tokens arrive together
+    one turn takes many ready sockets, so the CPU per token falls (the serving calibration
+    measures both ends: ``ServingCost.router_wake_share``). Letting every item that found the
+    loop busy ride charged the demo's router 1.40-1.54x too little CPU per request at its
+    moderate rates, where tokens come one at a time while the loop is still busy with the
+    last (docs/planning.md, rounds 41 and 42)."""
 
-    __slots__ = ("loop", "busy_until", "busy_seconds", "share", "wake_share")
+    __slots__ = ("loop", "busy_until", "busy_seconds", "share", "wake_share", "_next_turn")
 
     def __init__(self, loop: EventLoop, share: CoreShare | None = None,
                  wake_share: float = 0.0) -> None:  # fmt: skip
@@ -66,13 +72,19 @@ class RouterLoop:
         self.busy_seconds = 0.0
         self.share = share  # told of each burst of CPU, where the cores are shared
         self.wake_share = wake_share
+        self._next_turn = -1.0  # when the loop's latest turn begins (or began)
 
     def _queue(self, cpu: float) -> None:
-        start = max(self.loop.now, self.busy_until)
-        if self.busy:  # awake: no wake-up to pay
+        now = self.loop.now
+        start = max(now, self.busy_until)
+        if self._next_turn >= now:  # a turn that has not begun takes it too: it rides
             cpu *= 1.0 - self.wake_share
-        elif self.share is not None:  # waking: a core first, if every one is taken
-            start += self.share.wake_wait(start, self)
+        elif self.busy:  # the loop's next turn, after its running one, is for it
+            self._next_turn = start
+        else:  # it wakes the loop: a core first, if every one is taken
+            if self.share is not None:
+                start += self.share.wake_wait(start, self)
+            self._next_turn = start
         wall = cpu
         if self.share is not None:
             # The loop is a thread on the shared cores: its burst runs at its share of them.

@@ -9,8 +9,10 @@ eight, the client's from 72-76 to 27-28 us (docs/planning.md, round 23). Chargin
 to every token made the simulator's CPU per request 11 % too high on median over five
 validation runs, up to 2x for the decode-heavy workload.
 
-The simulator's loops charge the wake-up only to the item that finds their thread idle
-(``planner.sim_router.RouterLoop``, ``planner.sim_worker.SimWorker``). With a lone token's cost
+The simulator's loops take their items in turns and charge the wake-up once a turn: to the item
+that wakes the thread or, while it is busy, to the first that waits for its next turn
+(``planner.sim_router.RouterLoop``); a worker's HTTP thread takes each step's rows in one
+hand-over (``planner.sim_worker.SimWorker``). With a lone token's cost
 ``alone = c + w`` and the cost per token of ``B`` streams whose tokens arrive together (one
 step makes them) ``batched = c + w / B``, the share of the lone cost that is the wake-up is
 

@@ -63,6 +63,20 @@ def test_a_loop_charges_the_wake_up_only_to_work_that_finds_it_idle() -> None:
     assert router.busy_seconds == pytest.approx(0.0032)
 
 
+def test_a_busy_loop_takes_items_in_turns_and_the_first_of_each_turn_pays_it() -> None:
+    # 40 % of each item's 1 ms is the loop's turn. One at t=0 wakes the loop (a turn from 0 to
+    # 1 ms); one at 0.5 ms finds that turn begun and waits for the next, from 1 ms, which it
+    # pays (1 ms, to 2 ms); one at 0.7 ms rides that turn (0.6 ms, to 2.6 ms); one at 1.5 ms
+    # finds it begun too and pays the turn after it (1 ms, to 3.6 ms).
+    loop = EventLoop()
+    router = RouterLoop(loop, wake_share=0.4)
+    for t in (0.0, 0.0005, 0.0007, 0.0015):
+        loop.at(t, lambda: router.serve(0.001, 0.0, lambda: None))
+    loop.run()
+    assert router.busy_until == pytest.approx(0.0036)
+    assert router.busy_seconds == pytest.approx(0.0036)
+
+
 class _Busy:
     """Another thread on the shared cores, busy until ``busy_until``."""
 
