@@ -61,7 +61,7 @@ class RouterLoop:
     measures both ends: ``ServingCost.router_wake_share``). Letting every item that found the
     loop busy ride charged the demo's router 1.40-1.54x too little CPU per request at its
     moderate rates, where tokens come one at a time while the loop is still busy with the
-    last (docs/planning.md, rounds 41 and 42)."""
+    last; the turns close a fifth to a quarter of that (docs/planning.md, rounds 41-42)."""
 
     __slots__ = ("loop", "busy_until", "busy_seconds", "share", "wake_share", "_next_turn")
 
