@@ -35,15 +35,15 @@ from functools import partial
 from pathlib import Path
 
 import httpx
-from plan_validation import model_path
+from plan_validation import model_path, up_args
 
-from tandem.calibrate import CLIENT, ISL, OSL, WARMUP, _cpu_per_request, _up
+from tandem.calibrate import CLIENT, ISL, OSL, WARMUP, LocalUp, cpu_per_request
 from tandem.engine.sim.profile import load_profile
 from tandem.stream_client import send_batches, stream_times
 from tandem.up_config import ROUTER
 from tandem.wake_shares import wake_share
 
-LOOPS = (ROUTER, "colocated", CLIENT)  # the keys of _cpu_per_request's answer, in print order
+LOOPS = (ROUTER, "colocated", CLIENT)  # the keys of cpu_per_request's answer, in print order
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +132,7 @@ def main() -> None:
     client = httpx.AsyncClient(timeout=120)
     rows: list[Width] = []
     with asyncio.Runner() as runner:
-        with _up(model, 0, "tcp", (), args.threads, Path(tempfile.mkdtemp())) as up:
+        with LocalUp(up_args(model, 0, 1, args.threads), 1, Path(tempfile.mkdtemp())) as up:
             for _ in range(WARMUP):
                 runner.run(stream_times(client, up.url, model, prompt(), OSL))
             t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def main() -> None:
                                 if mode == "lockstep"
                                 else staggered(client, up.url, model, ps, n, width, step)
                             )
-                            cpu[n] = _cpu_per_request(up, partial(runner.run, send))
+                            cpu[n] = cpu_per_request(up, partial(runner.run, send))
                         rows.append(Width(mode, width, per_token(cpu[OSL], cpu[1])))
         runner.run(client.aclose())
     print(render(mean_widths(rows)))

@@ -74,7 +74,7 @@ ISL, OSL = 32, 32
 # 150-request segments gave 0.17-0.21 ms (CV 9 %). docs/planning.md, round 20.
 CPU_REQUESTS = 300
 WARMUP = 6  # requests a fresh deployment serves before it is timed (its first ones are slow)
-CLIENT = "client"  # _cpu_per_request's key for this process (no `tandem` subcommand has it)
+CLIENT = "client"  # cpu_per_request's key for this process (no `tandem` subcommand has it)
 
 
 class LocalUp:
@@ -172,7 +172,7 @@ def children_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def _cpu_per_request(up: LocalUp, run: Callable[[], int]) -> dict[str, float]:
+def cpu_per_request(up: LocalUp, run: Callable[[], int]) -> dict[str, float]:
     """Each child's CPU seconds per request over ``run`` (which returns how many it sent), and
     this process's own (the client's) under ``CLIENT``."""
     before = children_cpu(up.proc.pid)
@@ -270,14 +270,14 @@ def measure_serving(
                         stream(up, prompt(), max_tokens=1)
                     return requests
 
-                cpu_long = _cpu_per_request(up, serial(up, alone))
-                cpu_short = _cpu_per_request(up, one_token)
-                cpu_batch_long = _cpu_per_request(up, batches(up, OSL))
-                cpu_batch_short = _cpu_per_request(up, batches(up, 1))
+                cpu_long = cpu_per_request(up, serial(up, alone))
+                cpu_short = cpu_per_request(up, one_token)
+                cpu_batch_long = cpu_per_request(up, batches(up, OSL))
+                cpu_batch_short = cpu_per_request(up, batches(up, 1))
             with _up(model, 1, transport, options, threads, log_dir) as up:
                 for _ in range(WARMUP):
                     stream(up, prompt())
-                cpu_pd = _cpu_per_request(up, serial(up, pd))
+                cpu_pd = cpu_per_request(up, serial(up, pd))
         finally:
             runner.run(client.aclose())
     return ServingSample(
