@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 from plan_validation import model_path, up_args
 
-from tandem.calibrate import CLIENT, ISL, OSL, WARMUP, LocalUp, cpu_per_request
+from tandem.calibrate import CLIENT, ISL, OSL, WARMUP, LocalUp, cpu_per_request, per_token_cpu
 from tandem.engine.sim.profile import load_profile
 from tandem.stream_client import send_batches, stream_times
 from tandem.up_config import ROUTER
@@ -56,9 +56,9 @@ class Width:
 
 
 def per_token(long: Mapping[str, float], short: Mapping[str, float]) -> dict[str, float]:
-    """CPU per token from CPU per request over OSL-token and one-token requests: the OSL - 1
-    further tokens' share (as ``calibrate.serving_cost`` splits it)."""
-    return {k: max(0.0, (v - short.get(k, 0.0)) / (OSL - 1)) for k, v in long.items()}
+    """CPU per token, process by process, from CPU per request over OSL-token and one-token
+    requests (``calibrate.per_token_cpu``)."""
+    return {k: per_token_cpu(v, short.get(k, 0.0)) for k, v in long.items()}
 
 
 def mean_widths(rows: Sequence[Width]) -> list[Width]:
@@ -132,26 +132,29 @@ def main() -> None:
     client = httpx.AsyncClient(timeout=120)
     rows: list[Width] = []
     with asyncio.Runner() as runner:
-        with LocalUp(up_args(model, 0, 1, args.threads), 1, Path(tempfile.mkdtemp())) as up:
-            for _ in range(WARMUP):
+        try:
+            with LocalUp(up_args(model, 0, 1, args.threads), 1, Path(tempfile.mkdtemp())) as up:
+                for _ in range(WARMUP):
+                    runner.run(stream_times(client, up.url, model, prompt(), OSL))
+                t0 = time.perf_counter()
                 runner.run(stream_times(client, up.url, model, prompt(), OSL))
-            t0 = time.perf_counter()
-            runner.run(stream_times(client, up.url, model, prompt(), OSL))
-            step = (time.perf_counter() - t0) / OSL  # a lone stream's pace per token
-            for _ in range(args.repeats):
-                for width in widths:
-                    for mode in ("lockstep", "staggered"):
-                        cpu = {}
-                        for n in (OSL, 1):
-                            ps = [prompt() for _ in range(args.requests)]
-                            send = (
-                                send_batches(client, up.url, model, ps, n, batch=width)
-                                if mode == "lockstep"
-                                else staggered(client, up.url, model, ps, n, width, step)
-                            )
-                            cpu[n] = cpu_per_request(up, partial(runner.run, send))
-                        rows.append(Width(mode, width, per_token(cpu[OSL], cpu[1])))
-        runner.run(client.aclose())
+                step = (time.perf_counter() - t0) / OSL  # a lone stream's pace per token
+                for _ in range(args.repeats):
+                    for width in widths:
+                        for mode in ("lockstep", "staggered"):
+                            cpu = {}
+                            for n in (OSL, 1):
+                                ps = [prompt() for _ in range(args.requests)]
+                                send = (
+                                    send_batches(client, up.url, model, ps, n, batch=width)
+                                    if mode == "lockstep"
+                                    else staggered(client, up.url, model, ps, n, width, step)
+                                )
+                                cpu[n] = cpu_per_request(up, partial(runner.run, send))
+                            rows.append(Width(mode, width, per_token(cpu[OSL], cpu[1])))
+        finally:
+            # Closed in the loop that opened it, whether or not the sweep failed.
+            runner.run(client.aclose())
     print(render(mean_widths(rows)))
 
 

@@ -194,6 +194,13 @@ def _up(model: str, prefill: int, transport: str, options: Sequence[str], thread
     return LocalUp(args, prefill + 1, log_dir, f"up-{prefill}")
 
 
+def per_token_cpu(long: float, short: float) -> float:
+    """CPU per further token: what an OSL-token request costs a process beyond a one-token
+    request, over its OSL - 1 further tokens (never negative: noise can put the short one
+    above). ``serving_cost`` and ``benchmarks/wake_sweep.py`` split CPU this way."""
+    return max(0.0, (long - short) / (OSL - 1))
+
+
 def _low(values: list[float]) -> float:
     v = sorted(values)
     return v[(len(v) - 1) // 4]
@@ -334,10 +341,10 @@ def serving_cost(
     # tokens of a full one their per-token work (the worker's includes its decode steps, on
     # every engine thread: OpenMP's threads spin while they wait, so CPU ~ threads x wall).
     r_short, r_long = cpu_short.get(ROUTER, 0.0), cpu_long.get(ROUTER, 0.0)
-    router_token = max(0.0, (r_long - r_short) / (OSL - 1))
+    router_token = per_token_cpu(r_long, r_short)
     router_request = max(0.0, r_short - router_token)
     c_short, c_long = cpu_short.get(CLIENT, 0.0), cpu_long.get(CLIENT, 0.0)
-    client_token = max(0.0, (c_long - c_short) / (OSL - 1))
+    client_token = per_token_cpu(c_long, c_short)
     client_request = max(0.0, c_short - client_token)
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
     row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0

@@ -15,6 +15,7 @@ from tandem.calibrate import (
     OSL,
     ServingSample,
     children_cpu,
+    per_token_cpu,
     process_cpu,
     quantiles,
     segment_quantiles,
@@ -42,6 +43,13 @@ def test_steady_quantiles_ignore_one_noisy_stretch_of_the_phase() -> None:
     assert steady_quantiles(parts, n=2) == (4.0, 5.0)
     # Too few values to split: plain quantiles.
     assert steady_quantiles([3.0, 1.0, 2.0], n=3) == quantiles([3.0, 1.0, 2.0], n=3)
+
+
+def test_per_token_cpu_is_the_further_tokens_share_and_never_negative() -> None:
+    assert per_token_cpu(0.010 + (OSL - 1) * 0.002, 0.010) == pytest.approx(0.002)
+    assert per_token_cpu(0.010, 0.010) == 0.0
+    # Noise can put a one-token request's CPU above a full one's: no negative cost.
+    assert per_token_cpu(0.009, 0.010) == 0.0
 
 
 def test_process_cpu_counts_threads_that_have_ended() -> None:
