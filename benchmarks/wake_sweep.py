@@ -29,7 +29,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -107,6 +107,33 @@ async def staggered(client: httpx.AsyncClient, url: str, model: str,
     return len(prompts)
 
 
+def sweep(runner: asyncio.Runner, client: httpx.AsyncClient, up: LocalUp, model: str,
+          prompt: Callable[[], list[int]], widths: Sequence[int], requests: int,
+          repeats: int) -> list[Width]:  # fmt: skip
+    """Each repeat, width and mode's CPU per token on ``up``, after WARMUP lone streams and one
+    timed one (whose pace per token staggers the lanes)."""
+    for _ in range(WARMUP):
+        runner.run(stream_times(client, up.url, model, prompt(), OSL))
+    t0 = time.perf_counter()
+    runner.run(stream_times(client, up.url, model, prompt(), OSL))
+    step = (time.perf_counter() - t0) / OSL  # a lone stream's pace per token
+    rows: list[Width] = []
+    for _ in range(repeats):
+        for width in widths:
+            for mode in ("lockstep", "staggered"):
+                cpu = {}
+                for n in (OSL, 1):
+                    ps = [prompt() for _ in range(requests)]
+                    send = (
+                        send_batches(client, up.url, model, ps, n, batch=width)
+                        if mode == "lockstep"
+                        else staggered(client, up.url, model, ps, n, width, step)
+                    )
+                    cpu[n] = cpu_per_request(up, partial(runner.run, send))
+                rows.append(Width(mode, width, per_token(cpu[OSL], cpu[1])))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
@@ -130,28 +157,10 @@ def main() -> None:
         return rng.choices(tokens, k=ISL)
 
     client = httpx.AsyncClient(timeout=120)
-    rows: list[Width] = []
     with asyncio.Runner() as runner:
         try:
             with LocalUp(up_args(model, 0, 1, args.threads), 1, Path(tempfile.mkdtemp())) as up:
-                for _ in range(WARMUP):
-                    runner.run(stream_times(client, up.url, model, prompt(), OSL))
-                t0 = time.perf_counter()
-                runner.run(stream_times(client, up.url, model, prompt(), OSL))
-                step = (time.perf_counter() - t0) / OSL  # a lone stream's pace per token
-                for _ in range(args.repeats):
-                    for width in widths:
-                        for mode in ("lockstep", "staggered"):
-                            cpu = {}
-                            for n in (OSL, 1):
-                                ps = [prompt() for _ in range(args.requests)]
-                                send = (
-                                    send_batches(client, up.url, model, ps, n, batch=width)
-                                    if mode == "lockstep"
-                                    else staggered(client, up.url, model, ps, n, width, step)
-                                )
-                                cpu[n] = cpu_per_request(up, partial(runner.run, send))
-                            rows.append(Width(mode, width, per_token(cpu[OSL], cpu[1])))
+                rows = sweep(runner, client, up, model, prompt, widths, args.requests, args.repeats)
         finally:
             # Closed in the loop that opened it, whether or not the sweep failed.
             runner.run(client.aclose())

@@ -347,7 +347,7 @@ def serving_cost(
     client_token = per_token_cpu(c_long, c_short)
     client_request = max(0.0, c_short - client_token)
     w_short, w_long = cpu_short.get("colocated", 0.0), cpu_long.get("colocated", 0.0)
-    row = max(0.0, (w_long - w_short) / (OSL - 1) - decode1 * threads) if w_short else 0.0
+    row = max(0.0, per_token_cpu(w_long, w_short) - decode1 * threads) if w_short else 0.0
     worker_request = max(0.0, w_short - prefill * threads) if w_short else 0.0
     # The same tokens BATCH streams at a time: what of each lone token's cost is a wake-up.
     b_short = _mean_cpu([s.cpu_batch_short for s in segments])
