@@ -19,11 +19,11 @@ the steps themselves. Measured, with the profile's step model subtracted:
   share of each lone token's CPU that is waking the router's, the client's and the worker's
   streaming thread (``*_wake_share``: a token reaching a busy thread does not pay it);
 - colocated, one request at a time: the median ITL (per request, the mean gap after the first
-  token) minus the predicted decode step is ``step_seconds`` (a core is free for the streaming
-  thread, so its rows are off the step's path); the first token minus the predicted prefill
-  step is the router's part (median, and ``request_spread``), split into ``request_seconds``
-  (at least the router's and the worker's CPU for a request) and ``token_seconds``; the ITL of
-  each request over the median is ``pace_spread``;
+  token) minus the lone decode step the grid measured is ``step_seconds`` (a core is free for
+  the streaming thread, so its rows are off the step's path); the first token minus the
+  predicted prefill step is the router's part (median, and ``request_spread``), split into
+  ``request_seconds`` (at least the router's and the worker's CPU for a request) and
+  ``token_seconds``; the ITL of each request over the median is ``pace_spread``;
 - 1P1D, one request at a time: the gap from prefill's token to decode's first, minus the
   predicted pull and one decode step, is ``handoff_seconds`` (the connector wakes the idle
   decode engine as the pull ends), its lower quartile, and ``handoff_spread``, its quantiles
@@ -201,6 +201,22 @@ def per_token_cpu(long: float, short: float) -> float:
     return max(0.0, (long - short) / (OSL - 1))
 
 
+def lone_decode_seconds(profile: Profile, context: int) -> float:
+    """One sequence's decode step at ``context``, as the profile's grid measured it: the
+    nearest lone-decode point, moved to ``context`` along the step model (the model alone when
+    the grid has none). A lone decode runs under the fit's line (on random-512 by 2-17 %: one
+    row to two adds 0.5-0.8 ms, each further row 0.3), so a served ITL less the fit put that
+    residual into ``step_seconds``, clamped at zero, and lost part of the worker's overhead on
+    every batched step (docs/planning.md, round 46)."""
+    step = profile.step
+    lone = [p for p in profile.step_points if len(p.rows) == 1 and p.rows[0][::2] == (1, 1)]
+    if not lone:
+        return step.step_seconds([(1, context)])
+    point = min(lone, key=lambda p: abs(p.rows[0][1] - context))
+    along = step.step_seconds([(1, context)]) - step.step_seconds([(1, point.rows[0][1])])
+    return max(0.0, point.execute_seconds + along)
+
+
 def _low(values: list[float]) -> float:
     v = sorted(values)
     return v[(len(v) - 1) // 4]
@@ -370,8 +386,8 @@ def serving_cost(
     router_handoff = max(0.0, r_pd - r_long) if r_pd and r_long else 0.0
     decode_request = max(0.0, d_cpu - (OSL - 1) * (decode1 * threads + row)) if d_cpu else 0.0
     # One request at a time leaves a core free for the worker's streaming thread: its ITL is
-    # the step and the step's own overhead.
-    step_overhead = max(0.0, itl_median - decode1)
+    # the step, as the grid measured it, and the step's own overhead.
+    step_overhead = max(0.0, itl_median - lone_decode_seconds(profile, ISL + OSL // 2))
     # The first token's serving latency per request: its median, and its spread (beyond the
     # step, its overhead and the streaming of its row, which the simulated worker adds).
     served = [[max(0.0, t[0] - prefill - step_overhead - row) for t in part] for part in alone]
@@ -383,7 +399,8 @@ def serving_cost(
     # The hand-off gap needs the second chunk to be the second token (decode's first).
     gaps = [[t[1] - t[0] for t in part if len(t) == OSL] for part in pd]
     handoff_gap = _median_of(gaps, _low) if any(gaps) else 0.0
-    # The pull, then (the connector wakes the idle engine) decode's first step.
+    # The pull, then (the connector wakes the idle engine) decode's first step: the model's
+    # step, not the grid's, for it is what the simulator waits there.
     predicted = pull + step.step_seconds([(1, ISL)]) + step_overhead
     beyond = [[max(0.0, g - predicted) for g in part] for part in gaps]
     # Each request's ITL over its own segment's median: the pace within a stretch.

@@ -15,6 +15,7 @@ from tandem.calibrate import (
     OSL,
     ServingSample,
     children_cpu,
+    lone_decode_seconds,
     per_token_cpu,
     process_cpu,
     quantiles,
@@ -22,6 +23,7 @@ from tandem.calibrate import (
     serving_cost,
     steady_quantiles,
 )
+from tandem.engine.sim.profile import StepPoint
 from tandem.wake_shares import BATCH, mean_run_queue_wait, scheduler_slice, wake_share
 
 
@@ -120,6 +122,39 @@ def test_serving_cost_takes_the_median_over_segments_and_the_mean_cpu() -> None:
     # A woken thread's wait for a core: half this host's slice (the mean rest of the slice it
     # lands in; docs/planning.md, round 38).
     assert cost.run_queue_wait == mean_run_queue_wait() == round(scheduler_slice() / 2, 6) > 0
+
+
+def _point(label: str, rows: tuple[tuple[int, int, int], ...], seconds: float) -> StepPoint:
+    return StepPoint(label, rows, seconds, 0.0, (seconds,))
+
+
+def test_step_seconds_is_the_served_itl_less_the_grids_own_lone_decode() -> None:
+    # Model: 2 ms a step + 10 us a token + 0.1 us a decode key: a lone decode at context 256
+    # is 2.0357 ms on the line, but the grid measured it at 1.5 ms (below the fit's line, as
+    # random-512's lone decode runs).
+    execute = (0.002, 1e-5, 0.0, 0, 0.0, 0.0, 1e-7)
+    points = (
+        _point("decode batch=1 ctx=256", ((1, 256, 1),), 0.0015),
+        _point("decode batch=1 ctx=1024", ((1, 1024, 1),), 0.0016),
+        _point("decode batch=2 ctx=48", ((1, 48, 2),), 0.0001),  # not lone: ignored
+        _point("prefill q=16 ctx=0", ((16, 0, 1),), 0.0001),  # not a decode: ignored
+    )
+    profile = replace(synthetic_profile(execute=execute), step_points=points)
+    ctx = ISL + OSL // 2  # 48: nearest lone point 256, moved along the model's 0.1 us a key
+    lone = 0.0015 + 1e-7 * (48 - 256)
+    assert lone_decode_seconds(profile, ctx) == pytest.approx(lone, abs=1e-12)
+    assert lone_decode_seconds(profile, 1000) == pytest.approx(0.0016 - 1e-7 * 24, abs=1e-12)
+    # No lone decode on the grid: the model's own step.
+    bare = synthetic_profile(execute=execute)
+    assert lone_decode_seconds(bare, ctx) == pytest.approx(0.002 + 1e-5 + 1e-7 * 49)
+    # Served ITL 1.8 ms: under the model's 2.0149 ms (which clamped the overhead to zero), but
+    # 0.32 ms over what the grid measured.
+    sample = ServingSample(
+        alone=_answers(0.01, 0.0018, 10), pd=_answers(0.02, 0.01, 5),
+        cpu_long={}, cpu_short={}, cpu_pd={},
+    )  # fmt: skip
+    assert serving_cost(profile, [sample], "tcp").step_seconds == round(0.0018 - lone, 6)
+    assert serving_cost(bare, [sample], "tcp").step_seconds == 0.0
 
 
 def test_wake_share_is_what_batching_saves_per_item_scaled_to_one_wake_up_per_batch() -> None:
