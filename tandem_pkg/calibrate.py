@@ -209,12 +209,18 @@ def lone_decode_seconds(profile: Profile, context: int) -> float:
     residual into ``step_seconds``, clamped at zero, and lost part of the worker's overhead on
     every batched step (docs/planning.md, round 46)."""
     step = profile.step
-    lone = [p for p in profile.step_points if len(p.rows) == 1 and p.rows[0][::2] == (1, 1)]
+    # A lone decode point is one group of rows: one sequence, one new token.
+    lone = {
+        p.rows[0][1]: p
+        for p in profile.step_points
+        if len(p.rows) == 1 and p.rows[0][0] == 1 and p.rows[0][2] == 1
+    }
     if not lone:
         return step.step_seconds([(1, context)])
-    point = min(lone, key=lambda p: abs(p.rows[0][1] - context))
-    along = step.step_seconds([(1, context)]) - step.step_seconds([(1, point.rows[0][1])])
-    return max(0.0, point.execute_seconds + along)
+    ctx = min(lone, key=lambda c: abs(c - context))
+    # The model's step counts the host part too (the simulator waits both), so the point's does.
+    measured = lone[ctx].execute_seconds + lone[ctx].host_seconds
+    return max(0.0, measured + step.step_seconds([(1, context)]) - step.step_seconds([(1, ctx)]))
 
 
 def _low(values: list[float]) -> float:

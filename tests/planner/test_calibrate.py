@@ -144,6 +144,9 @@ def test_step_seconds_is_the_served_itl_less_the_grids_own_lone_decode() -> None
     lone = 0.0015 + 1e-7 * (48 - 256)
     assert lone_decode_seconds(profile, ctx) == pytest.approx(lone, abs=1e-12)
     assert lone_decode_seconds(profile, 1000) == pytest.approx(0.0016 - 1e-7 * 24, abs=1e-12)
+    # The point's host part counts, as the model's step counts the model's host part.
+    hosted = replace(profile, step_points=(replace(points[0], host_seconds=0.0001),))
+    assert lone_decode_seconds(hosted, ctx) == pytest.approx(lone + 0.0001, abs=1e-12)
     # No lone decode on the grid: the model's own step.
     bare = synthetic_profile(execute=execute)
     assert lone_decode_seconds(bare, ctx) == pytest.approx(0.002 + 1e-5 + 1e-7 * 49)
