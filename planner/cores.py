@@ -8,20 +8,34 @@ busy period is known on the virtual clock (a step's end, a loop's queue), so:
 - a step that starts charges itself for the work already running beside it
   (:func:`shared_seconds` over the others' remaining busy periods);
 - work that starts beside running steps (a router loop's burst, a streaming thread's tokens,
-  another worker's step) lengthens those steps by the share it takes (:meth:`CoreShare.burst`);
+  another worker's step) lengthens those steps by the share it takes while it lasts, each
+  neighbour counted only until it ends (:meth:`CoreShare.burst`, :func:`lengthened`);
+- except where worker steps already hold every core (P/D on a CPU host: a prefill step beside
+  a decode step): there a router or client loop's burst is not spread over the steps but
+  taken whole from one of them, the prefill's. Measured (``benchmarks/plan_contention.py``,
+  docs/planning.md round 48): a 128-token prefill beside another request's decode took 20-30
+  ms longer than alone; with the two workers pinned to a core each and the router and client
+  free, still 19 ms longer; with the router and client pinned beside the decode worker, 5 ms.
+  The kernel puts the woken loop on the prefill's core, and the prefill waits out its CPU;
 - a single-threaded burst (a router or client loop's, a worker's streaming thread's) runs at
   its share too, from what is running when it starts (:meth:`CoreShare.burst_seconds`): the
   loops are threads on the same cores, and a token they handle waits for that.
 
 A short burst beside a long step so costs the step only the burst's share; a ratio taken at the
-step's start would stretch the whole step. Owned by ``simulator.run_simulation``; a worker asks
-:meth:`CoreShare.step` how long each step lasts, and the router's loops report their bursts.
+step's start would stretch the whole step. (It once did, in ``burst``: a decode step that began
+while its own streaming thread had 0.1 ms of a row left counted that thread for its whole 5 ms,
+and so slowed a prefill beside it to 2/3 for all of it. That over-count stood in for the loops'
+cost above, but only in profiles whose ``row_seconds`` came out above 0: round 48.) Owned by
+``simulator.run_simulation``; a worker asks :meth:`CoreShare.step` how long each step lasts,
+and the router's loops report their bursts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from tandem.engine.role import Role
 
 if TYPE_CHECKING:
     from tandem.planner.sim_worker import SimWorker
@@ -50,6 +64,41 @@ def shared_seconds(
         t = end
         wanting -= k
     return t + left / min(1.0, cores / wanting)
+
+
+def lengthened(
+    left: float, threads: int, cores: int, others: list[tuple[float, int]], burst: float,
+    burst_threads: int,
+) -> float:  # fmt: skip
+    """The wall seconds left of a step on ``threads`` threads, ``left`` of them as it runs now
+    beside ``others`` (each: seconds until it ends, threads), once ``burst_threads`` more want
+    the cores over the next ``burst`` seconds, under processor sharing of ``cores``. The step's
+    work left is what it would do at its share while each neighbour still runs; the burst
+    takes its part of that share only while it lasts, and only as far as the cores are full."""
+
+    def rate(t: float, extra: int) -> float:
+        wanting = threads + extra + sum(k for end, k in others if end > t)
+        return min(1.0, cores / wanting)
+
+    cuts = sorted({end for end, _ in others if end > 0.0} | {burst})
+    work, t = 0.0, 0.0
+    for cut in [*cuts, left]:
+        if cut >= left:
+            work += (left - t) * rate(t, 0)
+            break
+        if cut > t:
+            work += (cut - t) * rate(t, 0)
+            t = cut
+    t = 0.0
+    for cut in [*cuts, float("inf")]:
+        if cut <= t:
+            continue
+        r = rate(t, burst_threads if t < burst else 0)
+        if work <= (cut - t) * r:
+            return t + work / r
+        work -= (cut - t) * r
+        t = cut
+    return t  # unreachable: the last piece is unbounded
 
 
 class CoreShare:
@@ -113,27 +162,24 @@ class CoreShare:
 
     def burst(self, start: float, end: float, threads: int, source: object) -> None:
         """``source`` will be busy on ``threads`` threads over [start, end) (called before its
-        own busy time moves): each worker step running then slows from min(1, cores / n) to
-        min(1, cores / (n + threads)) over the overlap and ends that much later
-        (``SimWorker.extend``)."""
+        own busy time moves): each worker step running then slows, while the burst lasts, from
+        its share beside what else runs to its share with ``threads`` more, and ends that much
+        later (``SimWorker.extend``). What else runs is followed as it ends
+        (:func:`lengthened`): a streaming thread with a row left to send at a decode step's
+        start is busy for its 0.1 ms, not for the whole step beside it. A router or client
+        loop's burst while steps hold every core is taken whole from one step, a prefill
+        worker's where one runs (the module's docstring)."""
         if self.cores is None or end <= start:
             return
-        # Everything wanting the cores at `start` but the source; each running step is among
-        # them, so one count serves every step.
-        n = sum(k for _, k in self._busy(start, source))
-        if n == 0:  # nothing else runs: no step to lengthen
+        steps = [w for w in self.workers if w is not source and w.busy and w.busy_until > start]
+        if source in self.loops and len(steps) * self.threads >= self.cores:
+            # Every core holds a step: the woken loop's CPU comes whole out of one of them.
+            prefill = [w for w in steps if w.role is Role.PREFILL]
+            (prefill or [max(steps, key=lambda w: w.busy_until)])[0].extend(end - start)
             return
-        before, after = min(1.0, self.cores / n), min(1.0, self.cores / (n + threads))
-        if after >= before:
-            return
-        for w in self.workers:
-            if w is source or not w.busy or w.busy_until <= start:
-                continue
-            # The step's work left at `start`, done at `after` during the burst, then `before`.
-            work = (w.busy_until - start) * before
-            during = (end - start) * after
-            if work <= during:
-                new_end = start + work / after
-            else:
-                new_end = end + (work - during) / before
-            w.extend(new_end - w.busy_until)
+        # Every step's neighbours first: one step's extension does not change another's here.
+        running = [(w, w.busy_until - start, self._busy(start, source, w)) for w in steps]
+        for w, left, others in running:
+            new = lengthened(left, self.threads, self.cores, others, end - start, threads)
+            if new > left:
+                w.extend(new - left)

@@ -378,9 +378,10 @@ def test_the_clients_cpu_competes_only_when_it_shares_the_cores() -> None:
 class _Step:
     """What CoreShare reads of a worker: its step's end and its streaming thread's."""
 
-    def __init__(self, busy_until: float) -> None:
+    def __init__(self, busy_until: float, role: Role = Role.COLOCATED) -> None:
         self.busy, self.busy_until, self.shell_busy_until = True, busy_until, 0.0
         self.serving_until = 0.0
+        self.role = role
 
     def extend(self, seconds: float) -> None:
         self.busy_until += seconds
@@ -406,6 +407,74 @@ def test_a_burst_beside_a_running_step_lengthens_it_by_its_share() -> None:
     assert after_burst(2, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
     # No shared cores (an accelerator): nothing changes.
     assert after_burst(None, 2 * ms, 6 * ms) == pytest.approx(10 * ms)
+
+
+def test_lengthened_follows_the_neighbours_as_they_end() -> None:
+    from tandem.planner.cores import lengthened
+
+    ms = 1e-3
+    # Nothing else running, one core: 8 ms left, a 4 ms burst takes half of it: 2 ms more.
+    assert lengthened(8 * ms, 1, 1, [], 4 * ms, 1) == pytest.approx(10 * ms)
+    # Two cores, a streaming thread with 0.1 ms to go, a decode step of 5 ms starting beside:
+    # three threads want two cores for 0.1 ms only, so the step loses 0.1 / 3 ms, not 5 / 3.
+    assert lengthened(10 * ms, 1, 2, [(0.1 * ms, 1)], 5 * ms, 1) == pytest.approx(
+        10 * ms + 0.1 * ms / 3
+    )
+    # Two neighbours for the first 4 ms (the step at 2/3 speed, 8.67 ms of work left); a
+    # 10 ms burst: 1/2 speed while they run, full speed after; 0.67 ms left at 10 ms.
+    got = lengthened(10 * ms, 1, 2, [(4 * ms, 1), (4 * ms, 1)], 10 * ms, 1)
+    assert got == pytest.approx(10 * ms + (4 * 2 / 3 + 6 - 4 / 2 - 6) * ms)
+    # Cores to spare throughout: nothing changes.
+    assert lengthened(10 * ms, 1, 4, [(4 * ms, 1)], 10 * ms, 1) == pytest.approx(10 * ms)
+
+
+def test_a_burst_beside_a_step_and_a_short_thread_costs_only_the_overlap() -> None:
+    # Two cores: a prefill step running until 10 ms, a streaming thread busy until 0.1 ms, and
+    # a decode step from 0 to 5 ms. Counting the thread for the decode step's whole length
+    # put the prefill at 2/3 speed for 5 ms (1.67 ms late); it is 1/3 ms late per 1 ms of it.
+    from tandem.planner.cores import CoreShare
+
+    ms = 1e-3
+    share = CoreShare(2, 1, lambda _t: 1.0)
+    step = _Step(10 * ms)
+    shell = _Step(0.0)
+    shell.busy, shell.shell_busy_until = False, 0.1 * ms
+    share.workers = [step, shell]  # type: ignore[list-item]
+    share.burst(0.0, 5 * ms, 1, object())
+    assert step.busy_until == pytest.approx(10 * ms + 0.1 * ms / 3)
+
+
+def test_a_loop_burst_while_steps_hold_every_core_comes_whole_out_of_the_prefill() -> None:
+    # Two cores, a prefill step and a decode step running: the router loop's 1 ms burst is
+    # charged whole to the prefill (the kernel wakes it onto the prefill's core:
+    # benchmarks/plan_contention.py), not shared between the two.
+    ms = 1e-3
+    loop = EventLoop()
+    share = CoreShare(2, 1, lambda _t: 1.0)
+    prefill, decode = _Step(50 * ms, Role.PREFILL), _Step(5 * ms, Role.DECODE)
+    share.workers = [decode, prefill]  # type: ignore[list-item]
+    router = RouterLoop(loop, share)
+    share.loops.append(router)
+    share.burst(1 * ms, 2 * ms, 1, router)
+    assert prefill.busy_until == pytest.approx(51 * ms)
+    assert decode.busy_until == pytest.approx(5 * ms)
+    # No prefill among them: the step that ends last pays.
+    a, b = _Step(8 * ms), _Step(6 * ms)
+    share.workers = [a, b]  # type: ignore[list-item]
+    share.burst(1 * ms, 2 * ms, 1, router)
+    assert (a.busy_until, b.busy_until) == (pytest.approx(9 * ms), pytest.approx(6 * ms))
+    # A core to spare: processor sharing, and two threads on two cores lose nothing.
+    alone = _Step(50 * ms, Role.PREFILL)
+    share.workers = [alone]  # type: ignore[list-item]
+    share.burst(1 * ms, 2 * ms, 1, router)
+    assert alone.busy_until == pytest.approx(50 * ms)
+    # A burst that is not a loop's (a worker's streaming thread) is shared as before: three
+    # threads on two cores for 1 ms, each step 1/3 ms late.
+    p2, d2 = _Step(50 * ms, Role.PREFILL), _Step(5 * ms, Role.DECODE)
+    share.workers = [p2, d2]  # type: ignore[list-item]
+    share.burst(1 * ms, 2 * ms, 1, object())
+    assert p2.busy_until == pytest.approx(50 * ms + ms / 3)
+    assert d2.busy_until == pytest.approx(5 * ms + ms / 3)
 
 
 def test_a_prefill_worker_serving_a_pull_holds_a_core_for_every_other_thread() -> None:
