@@ -47,23 +47,43 @@ class BusyLoop(Protocol):
     busy_until: float
 
 
+Piece = tuple[float, float, float]  # (from, to, rate): seconds from now, and the speed between
+
+
+def _pieces(threads: int, cores: int, others: list[tuple[float, int]], extra: int = 0,
+            until: float = 0.0) -> list[Piece]:  # fmt: skip
+    """The speed of work on ``threads`` threads from now on, piece by piece, beside ``others``
+    (each: seconds until it ends, threads) and ``extra`` more threads for the next ``until``
+    seconds, under processor sharing of ``cores``: while n threads want the cores each runs at
+    min(1, cores / n). The last piece is unbounded."""
+    ends = sorted([*others, (until, extra)] if extra and until > 0.0 else others)
+    wanting = threads + sum(k for _, k in ends)
+    pieces, t = [], 0.0
+    for end, k in ends:
+        if end > t:
+            pieces.append((t, end, min(1.0, cores / wanting)))
+            t = end
+        wanting -= k
+    pieces.append((t, float("inf"), min(1.0, cores / wanting)))
+    return pieces
+
+
+def _seconds_for(work: float, pieces: list[Piece]) -> float:
+    """When ``work`` (seconds alone) is done, at ``pieces``' speeds."""
+    for start, end, rate in pieces:
+        if work <= (end - start) * rate:
+            return start + work / rate
+        work -= (end - start) * rate
+    raise AssertionError("the last piece is unbounded")
+
+
 def shared_seconds(
     seconds: float, threads: int, cores: int, others: list[tuple[float, int]]
 ) -> float:
     """Wall seconds of ``seconds`` of work on ``threads`` threads (its time alone) beside
     ``others``, each (seconds until it ends, threads), under processor sharing of ``cores``:
     while n threads want the cores each runs at min(1, cores / n)."""
-    others = sorted(others)
-    wanting = threads + sum(k for _, k in others)
-    left, t = seconds, 0.0
-    for end, k in others:
-        rate = min(1.0, cores / wanting)
-        if left <= (end - t) * rate:
-            break
-        left -= (end - t) * rate
-        t = end
-        wanting -= k
-    return t + left / min(1.0, cores / wanting)
+    return _seconds_for(seconds, _pieces(threads, cores, others))
 
 
 def lengthened(
@@ -75,30 +95,12 @@ def lengthened(
     the cores over the next ``burst`` seconds, under processor sharing of ``cores``. The step's
     work left is what it would do at its share while each neighbour still runs; the burst
     takes its part of that share only while it lasts, and only as far as the cores are full."""
-
-    def rate(t: float, extra: int) -> float:
-        wanting = threads + extra + sum(k for end, k in others if end > t)
-        return min(1.0, cores / wanting)
-
-    cuts = sorted({end for end, _ in others if end > 0.0} | {burst})
-    work, t = 0.0, 0.0
-    for cut in [*cuts, left]:
-        if cut >= left:
-            work += (left - t) * rate(t, 0)
+    work = 0.0
+    for start, end, rate in _pieces(threads, cores, others):
+        work += (min(end, left) - start) * rate
+        if end >= left:
             break
-        if cut > t:
-            work += (cut - t) * rate(t, 0)
-            t = cut
-    t = 0.0
-    for cut in [*cuts, float("inf")]:
-        if cut <= t:
-            continue
-        r = rate(t, burst_threads if t < burst else 0)
-        if work <= (cut - t) * r:
-            return t + work / r
-        work -= (cut - t) * r
-        t = cut
-    return t  # unreachable: the last piece is unbounded
+    return _seconds_for(work, _pieces(threads, cores, others, burst_threads, burst))
 
 
 class CoreShare:
@@ -177,6 +179,8 @@ class CoreShare:
             prefill = [w for w in steps if w.role is Role.PREFILL]
             (prefill or [max(steps, key=lambda w: w.busy_until)])[0].extend(end - start)
             return
+        if sum(k for _, k in self._busy(start, source)) + threads <= self.cores:
+            return  # a core for every thread, now and (as they end) after: no step slows
         # Every step's neighbours first: one step's extension does not change another's here.
         running = [(w, w.busy_until - start, self._busy(start, source, w)) for w in steps]
         for w, left, others in running:
