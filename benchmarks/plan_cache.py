@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 from plan_validation import model_path
 
-WARMUP_STEPS = 4  # as engine/sim/profiler.py: the first decode steps are slow
-
 
 @dataclass(frozen=True, slots=True)
 class Between:
@@ -113,6 +111,7 @@ def main() -> None:
     from tandem.engine.engine import Engine
     from tandem.engine.llm import build_engine_config
     from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sim.profiler import WARMUP_STEPS  # the first decode steps run slow
 
     set_engine_threads(args.threads)
     config = build_engine_config(model_path(args.model), device="cpu", dtype="float32")
