@@ -29,7 +29,11 @@ class Stack:
 
     def __init__(self, tmp: Path, model: Path) -> None:
         self.tmp, self.model = tmp, model
-        port, internal = worker_port(), worker_port()
+        port = worker_port()
+        internal = worker_port()
+        while internal == port:  # two random probes can draw the same free port (seen in CI)
+            internal = worker_port()
+        self.taken = {port, internal}
         self.url, self.registry = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal}"
         self.procs = {"router": Proc(
             ["router", "--model", str(model), "--served-model-name", SERVED, "--port", str(port),
@@ -39,6 +43,9 @@ class Stack:
 
     def worker(self, name: str, fault: str | None = None) -> None:
         port = worker_port()  # below the ephemeral range the workers' own sockets bind in
+        while port in self.taken:
+            port = worker_port()
+        self.taken.add(port)
         self.worker_urls[name] = f"http://127.0.0.1:{port}"
         env = {"TANDEM_TEST_PEER_FAULT": fault} if fault else None
         self.procs[name] = Proc(
