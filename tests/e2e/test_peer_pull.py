@@ -29,11 +29,8 @@ class Stack:
 
     def __init__(self, tmp: Path, model: Path) -> None:
         self.tmp, self.model = tmp, model
-        port = worker_port()
-        internal = worker_port()
-        while internal == port:  # two random probes can draw the same free port (seen in CI)
-            internal = worker_port()
-        self.taken = {port, internal}
+        self.taken: set[int] = set()
+        port, internal = self._port(), self._port()
         self.url, self.registry = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal}"
         self.procs = {"router": Proc(
             ["router", "--model", str(model), "--served-model-name", SERVED, "--port", str(port),
@@ -41,11 +38,17 @@ class Stack:
              "--peer-pull-min-tokens", "32"], tmp, "router")}  # fmt: skip
         self.worker_urls: dict[str, str] = {}
 
-    def worker(self, name: str, fault: str | None = None) -> None:
-        port = worker_port()  # below the ephemeral range the workers' own sockets bind in
+    def _port(self) -> int:
+        """A free port below the ephemeral range the workers' own sockets bind in, distinct
+        from this stack's others (two random probes can draw the same one: seen in CI)."""
+        port = worker_port()
         while port in self.taken:
             port = worker_port()
         self.taken.add(port)
+        return port
+
+    def worker(self, name: str, fault: str | None = None) -> None:
+        port = self._port()
         self.worker_urls[name] = f"http://127.0.0.1:{port}"
         env = {"TANDEM_TEST_PEER_FAULT": fault} if fault else None
         self.procs[name] = Proc(

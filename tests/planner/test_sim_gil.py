@@ -15,6 +15,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sim.profile import ServingCost
 from tandem.planner.cores import CoreShare
 from tandem.planner.events import EventLoop
+from tandem.planner.metrics import RequestTrace
 from tandem.planner.sim_kv import KVFabric
 from tandem.planner.sim_worker import SimWorker, WorkerCallbacks
 from tandem.planner.simulator import Deployment, SimOptions, run_simulation
@@ -27,11 +28,13 @@ FOUR = Workload(rate=1e6, isl=Lengths(16), osl=Lengths(6), num_requests=4,
                 arrival=Arrival.CONSTANT)  # fmt: skip
 
 
-def _run(serving: ServingCost, workload: Workload, cores: int | None):  # noqa: ANN202
+def _run(
+    serving: ServingCost, workload: Workload, cores: int | None
+) -> tuple[SimWorker, list[RequestTrace]]:
     sim = run_simulation(replace(PROFILE, serving=serving), workload, Deployment(0, 1),
                          SimOptions(shared_cores=cores, variability=False))  # fmt: skip
     (worker,) = sim.workers
-    return worker, sim.result.traces
+    return worker, list(sim.result.traces)
 
 
 def test_a_lone_stream_is_timed_as_calibrated_with_or_without_the_gil() -> None:
@@ -92,7 +95,7 @@ def test_a_request_reaching_a_stepping_engine_is_taken_in_its_cpu_later(
     loop = EventLoop()
     share = CoreShare(cores, 1, lambda _t: 1.0) if cores is not None else None
     w = _worker(loop, share, 0.005)
-    seen: list[tuple[float, int]] = []
+    seen: list[tuple[bool, int]] = []  # (engine stepping, requests it has waiting)
     w.submit(_request("r0"))
     loop.at(0.001, lambda: w.submit(_request("r1")))
     for t in (0.0009, taken_at - 1e-4, taken_at + 1e-4):
