@@ -88,9 +88,6 @@ class SimWorker:
         # A step's wall seconds from its seconds alone (shared cores, the machine's pace).
         self._cores = cores or CoreShare(None, 1, lambda _t: 1.0)
         self._extension = 0.0  # what work started beside the running step adds to it
-        # One GIL: on shared cores the engine's steps are Python (a CPU step of a small model
-        # is mostly dispatch), so the HTTP thread's work and the engine thread's take turns.
-        self.gil = self._cores.cores is not None
         # The serving worker's own time per step and per streamed sequence (ServingCost).
         self._overhead = step_overhead
         self._row_overhead = row_overhead
@@ -157,11 +154,6 @@ class SimWorker:
         wakes for it, a core first if every one is taken (``CoreShare.wake_wait``, as for every
         thread that wakes), then hands it to the engine thread (``_admit``)."""
         wait = 0.0 if self.shell_busy else self._cores.wake_wait(self.loop.now, self)
-        if self.gil and (self.busy or self.scheduler.running):
-            # The engine thread is stepping: the HTTP thread's work on the request takes turns
-            # with it under the GIL, so the hand-over comes its CPU later than on an idle
-            # engine (and the next step still waits out that CPU: ``_admit``).
-            wait += self._request_overhead
         if wait > 0.0:
             self.loop.after(wait, partial(self._admit, req))
         else:
@@ -265,10 +257,6 @@ class SimWorker:
         # the last step's rows) takes them without waking (``RouterLoop``'s ``wake_share``).
         riders = len(changed) if self.shell_busy else max(0, len(changed) - 1)  # pay no wake-up
         cpu = self._row_overhead * (len(changed) - self._row_wake_share * riders)
-        if self.gil:
-            # The next step waits for the streaming thread's Python, beyond the one row the
-            # calibration's lone ITL (``step_overhead``) already holds.
-            self._owed += max(0.0, cpu - self._row_overhead)
         wall = self._cores.burst_seconds(self, start, cpu)
         self._cores.burst(start, start + wall, 1, self)
         self.shell_busy_until = start + wall
