@@ -306,10 +306,11 @@ def test_streaming_cpu_slows_steps_only_where_it_takes_a_needed_core() -> None:
     # steps of 10.4 ms and a last of three rows.
     assert steps == 7
     for cores in (None, 2):
-        assert run(rows, cores)[:2] == (7, pytest.approx(busy))
+        got = run(rows, cores)
+        assert got[:2] == (7, pytest.approx(busy))
         # But the tokens wait for the streaming thread, a FIFO of 20 ms a row: the 24 rows
         # leave one every 20 ms from the prefill step's end, whatever the steps do meanwhile.
-        assert run(rows, cores)[2] == pytest.approx(23 * 0.02)
+        assert got[2] == pytest.approx(23 * 0.02)
     # One core: every step after the first shares it with the streaming thread, at half speed.
     assert run(rows, 1)[1] == pytest.approx(busy + (busy - 0.0116), rel=0.05)
 
